@@ -1,0 +1,167 @@
+"""``tidal serve`` and ``tidal bench``. Flag names follow vLLM / SGLang where one exists."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+
+from tidal.wire import EngineConfig
+
+
+def _queue_bound(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0 (or 'inf' to lift the bound)")
+    return value if math.isinf(value) else int(value)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default="tidal-tiny",
+                   help="A local Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or "
+                        "'tidal-tiny', the embedded 7M-parameter Llama with deterministic weights (default).")
+    g.add_argument("--served-model-name", default=None,
+                   help="The model name clients send and /v1/models lists (default: the --model value).")
+    g.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu or cuda[:N].")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="Weights and activations dtype. auto: bfloat16 on CUDA, float32 on CPU.")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="Longest prompt + completion in tokens (default: the model's max_position_embeddings, "
+                        "capped by the KV cache size).")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="Most sequences in one engine step (default 256).")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="Token budget of one engine step; longer prompts are prefilled in chunks (default 2048).")
+    g.add_argument("--block-size", type=int, default=16, help="Tokens per KV-cache block (default 16).")
+    g.add_argument("--kv-cache-memory", type=float, default=1.0,
+                   help="KV cache size in GiB (default 1). Ignored if --num-kv-blocks is given.")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="Exact number of KV blocks (overrides "
+                   "--kv-cache-memory).")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="Disable the prefix cache (on by default).")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="fcfs: first come, first served. priority: lower 'priority' values first; a more "
+                        "urgent arrival at a full queue evicts the least urgent waiting request (503).")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="auto: Triton kernels on CUDA, torch on CPU. Force either.")
+    g.add_argument("--engine-threads", type=int, default=None, help="torch threads in the engine (default: "
+                   "torch's default, one per core).")
+    g.add_argument("--seed", type=int, default=0, help="Engine RNG seed for unseeded sampling.")
+    g.add_argument("--min-step-time", type=float, default=0.0, help=argparse.SUPPRESS)  # test model knob
+
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")
+    g.add_argument("--port", type=int, default=8000, help="Port to bind (default 8000; 0 picks a free one).")
+    g.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise).")
+    g.add_argument("--tokenizer-workers", type=int, default=2,
+                   help="Threads for chat templating and tokenisation, off the event loop (default 2).")
+    g.add_argument("--stream-interval", type=int, default=1,
+                   help="Send a stream frame every K tokens (plus the last); per-request 'stream_interval' "
+                        "overrides it. Default 1.")
+    g.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="413 above this (default 16 MiB).")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    g = p.add_argument_group("admission and backpressure (see docs/admission.md)")
+    g.add_argument("--max-queued-requests", type=_queue_bound, default=256,
+                   help="Requests allowed to wait for the engine beyond its free slots; more get 503 "
+                        "'The request queue is full.' (default 256; 'inf' lifts the bound).")
+    g.add_argument("--max-queue-wait", type=float, default=None,
+                   help="Seconds a request may wait to be scheduled before a 503 'Request waiting timeout "
+                        "reached.' (default: no limit).")
+    g.add_argument("--max-stream-buffer-bytes", type=int, default=1 << 20,
+                   help="Undelivered output one stream may hold before it is aborted as a slow client "
+                        "(default 1 MiB).")
+    g.add_argument("--stream-stall-timeout", type=float, default=30.0,
+                   help="Seconds a client may take no bytes while output waits before it is aborted as a "
+                        "slow client (default 30).")
+    g.add_argument("--max-ws-requests-per-connection", type=int, default=64,
+                   help="Concurrent requests on one WebSocket connection (default 64).")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="On SIGINT/SIGTERM, seconds to let requests in flight finish before aborting them "
+                        "(default 30). A second signal stops at once.")
+    g.add_argument("--engine-heartbeat-timeout", type=float, default=10.0,
+                   help="Seconds without an answer from the engine's step loop before it is declared hung "
+                        "(default 10).")
+
+
+def server_config(args: argparse.Namespace):
+    from tidal.config import ServerConfig
+
+    gib = 1 << 30
+    engine = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=int(args.kv_cache_memory * gib),
+        scheduling_policy=args.scheduling_policy,
+        enable_prefix_caching=args.enable_prefix_caching,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+        num_threads=args.engine_threads,
+        min_step_time=args.min_step_time,
+    )
+    return ServerConfig(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        tokenizer_workers=args.tokenizer_workers,
+        stream_interval=args.stream_interval,
+        max_queued_requests=args.max_queued_requests,
+        max_queue_wait=args.max_queue_wait,
+        max_stream_buffer_bytes=args.max_stream_buffer_bytes,
+        stream_stall_timeout=args.stream_stall_timeout,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_ws_requests_per_connection=args.max_ws_requests_per_connection,
+        shutdown_timeout=args.shutdown_timeout,
+        engine_heartbeat_timeout=args.engine_heartbeat_timeout,
+        log_level=args.log_level,
+    )
+
+
+def _check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tokenizer_workers", "stream_interval"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        p.error("--max-model-len must be at least 2")
+    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
+        p.error("--num-kv-blocks must be at least 1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tidal", description="An OpenAI-compatible LLM server on Trio.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_p = sub.add_parser("serve", help="Start the OpenAI-compatible server.",
+                             description="Start the OpenAI-compatible server (SSE and WebSocket streaming).")
+    add_serve_arguments(serve_p)
+    bench_p = sub.add_parser("bench", help="Load-test any OpenAI-compatible server.")
+    from tidal import bench
+
+    bench.add_arguments(bench_p)
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        return bench.main(args)
+
+    _check_engine_args(serve_p, args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = server_config(args)
+    except ValueError as exc:
+        serve_p.error(str(exc))
+    import trio
+
+    from tidal.server import serve
+
+    return trio.run(serve, config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

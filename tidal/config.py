@@ -1,0 +1,52 @@
+"""The frontend's settings (the engine's are ``tidal.wire.EngineConfig``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tidal.wire import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    tokenizer_workers: int = 2
+    stream_interval: int = 1
+    # admission and backpressure (docs/admission.md)
+    max_queued_requests: float = 256  # math.inf lifts the bound
+    max_queue_wait: float | None = None  # seconds; None: wait as long as it takes
+    max_stream_buffer_bytes: int = 1 << 20
+    stream_stall_timeout: float = 30.0
+    max_request_body_bytes: int = 16 << 20
+    max_ws_requests_per_connection: int = 64
+    shutdown_timeout: float = 30.0
+    engine_heartbeat_interval: float = 1.0
+    engine_heartbeat_timeout: float = 10.0
+    engine_start_timeout: float = 600.0
+    log_level: str = "info"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be at least 1")
+        if self.tokenizer_workers < 1:
+            raise ValueError("--tokenizer-workers must be at least 1")
+        if not (self.max_queued_requests >= 0):
+            raise ValueError("--max-queued-requests must be >= 0")
+        if self.max_queue_wait is not None and self.max_queue_wait <= 0:
+            raise ValueError("--max-queue-wait must be positive")
+        if self.max_stream_buffer_bytes < 1 or self.stream_stall_timeout <= 0:
+            raise ValueError("--max-stream-buffer-bytes and --stream-stall-timeout must be positive")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model
+
+    @property
+    def queue_unbounded(self) -> bool:
+        return math.isinf(self.max_queued_requests)

@@ -1,0 +1,202 @@
+"""The engine: requests in, one step at a time, outputs out. No I/O here.
+
+``step()`` tells the whole story of one iteration::
+
+    batch   = scheduler.schedule()             # who runs, how many tokens each
+    logits  = runner.execute(batch)            # one forward pass over the paged cache
+    tokens  = sampler.sample(logits)           # one token per sequence that reached its end
+    between_passes()                           # aborts that arrived mid-forward free blocks now
+    postprocess(tokens)                        # append, detokenize, check stops, emit outputs
+
+Outputs, first-schedule events and finished ids collect in a pending report that the
+process loop sends after each step (``take_report``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Callable
+
+from tokenizers import Tokenizer
+
+from tidal.gpu.block_manager import BlockManager
+from tidal.gpu.detokenizer import IncrementalDetokenizer
+from tidal.gpu.model_runner import ModelRunner
+from tidal.gpu.sampler import Sampler, make_generator
+from tidal.gpu.scheduler import Scheduler
+from tidal.gpu.sequence import Sequence
+from tidal.wire import AddRequest, EngineConfig, EngineStats, Ready, RequestOutput, StepReport
+
+log = logging.getLogger("tidal.engine")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = Tokenizer.from_file(os.path.join(self.runner.model_dir, "tokenizer.json"))
+        self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            by_priority=config.scheduling_policy == "priority",
+        )
+        self.sampler = Sampler()
+        self.sequences: dict[int, Sequence] = {}
+        self.num_steps = 0
+        self._arrivals = itertools.count()
+        self._started: list[int] = []
+        self._outputs: list[RequestOutput] = []
+        self._finished: list[int] = []
+        self._dirty = False
+
+    def ready_message(self) -> Ready:
+        mc = self.runner.model_config
+        return Ready(
+            model=self.runner.model_dir,
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+            num_total_blocks=self.block_manager.num_blocks,
+            max_num_seqs=self.config.max_num_seqs,
+            device=str(self.runner.device),
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            vocab_size=mc.vocab_size,
+            eos_token_ids=sorted(self.eos_token_ids),
+            pid=os.getpid(),
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, msg: AddRequest) -> None:
+        if msg.request_id in self.sequences:
+            log.warning("duplicate request id %d ignored", msg.request_id)
+            return
+        params = msg.params
+        seq = Sequence(
+            request_id=msg.request_id,
+            prompt_token_ids=list(msg.prompt_token_ids),
+            params=params,
+            priority=msg.priority,
+            arrival_time=msg.arrival_time,
+            arrival_order=next(self._arrivals),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, msg.prompt_token_ids, params.stop, params.skip_special_tokens),
+            generator=make_generator(params.seed),
+        )
+        self.sequences[seq.request_id] = seq
+        if not seq.prompt_token_ids or seq.num_tokens >= self.max_model_len:
+            # the frontend validates this; the engine still never runs an impossible request
+            self._finish(seq, "length")
+            return
+        self.scheduler.add(seq)
+        self._dirty = True
+
+    def abort(self, request_ids: list[int]) -> None:
+        """Free the requests' KV blocks now. Unknown or finished ids are a no-op."""
+        for request_id in request_ids:
+            seq = self.sequences.get(request_id)
+            if seq is not None:
+                self._finish(seq, "abort", emit_output=False)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, between_passes: Callable[[], None] = lambda: None) -> bool:
+        """Run one iteration. False if nothing could be scheduled (waiting for blocks)."""
+        batch = self.scheduler.schedule()
+        self._started.extend(seq.request_id for seq in batch.started)
+        if not batch:
+            return False
+        self.num_steps += 1
+        logits, sampling = self.runner.execute(batch.entries)
+        tokens = self.sampler.sample(
+            logits,
+            [seq.params for seq in sampling],
+            [seq.output_token_ids for seq in sampling],
+            [seq.prompt_token_ids for seq in sampling],
+            [seq.generator for seq in sampling],
+        )
+        between_passes()  # may abort sequences of this batch: their tokens are dropped below
+        for seq, num_new in batch.entries:
+            if not seq.is_finished:
+                seq.num_computed_tokens += num_new
+                self.block_manager.register_full_blocks(seq)
+        for seq, token_id in zip(sampling, tokens):
+            if not seq.is_finished:
+                self._append_token(seq, token_id)
+        self._dirty = True
+        return True
+
+    def _append_token(self, seq: Sequence, token_id: int) -> None:
+        seq.append_token(token_id)
+        params = seq.params
+        text = ""
+        finish = None
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            finish = "stop"
+        elif token_id in params.stop_token_ids:
+            finish, seq.stop_reason = "stop", token_id
+        else:
+            text = seq.detokenizer.append(token_id)
+            if seq.detokenizer.stop_string is not None:
+                finish, seq.stop_reason = "stop", seq.detokenizer.stop_string
+            elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                finish = "length"
+        if finish is not None and seq.detokenizer.stop_string is None:
+            text += seq.detokenizer.flush()
+        self._outputs.append(RequestOutput(
+            request_id=seq.request_id,
+            token_ids=[token_id],
+            text=text,
+            finish_reason=finish,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        ))
+        if finish is not None:
+            self._finish(seq, finish, emit_output=False)
+
+    def _finish(self, seq: Sequence, reason: str, emit_output: bool = True) -> None:
+        self.scheduler.remove(seq)
+        seq.finish_reason = reason  # type: ignore[assignment]
+        del self.sequences[seq.request_id]
+        if emit_output:
+            self._outputs.append(RequestOutput(
+                request_id=seq.request_id, token_ids=[], text="", finish_reason=reason,  # type: ignore[arg-type]
+                num_prompt_tokens=seq.num_prompt_tokens))
+        self._finished.append(seq.request_id)
+        self._dirty = True
+
+    # ------------------------------------------------------------------ reporting
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            step=self.num_steps,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_total_blocks=bm.num_blocks,
+            num_used_blocks=bm.num_used_blocks,
+            num_cached_blocks=bm.num_cached_blocks,
+            num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def take_report(self) -> StepReport | None:
+        """Everything that changed since the last report, or None."""
+        if not self._dirty:
+            return None
+        report = StepReport(self._started, self._outputs, self._finished, self.stats())
+        self._started, self._outputs, self._finished = [], [], []
+        self._dirty = False
+        return report
+
+    def abort_all(self) -> None:
+        self.abort(list(self.sequences))

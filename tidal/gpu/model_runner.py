@@ -1,0 +1,142 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged KV cache, returns logits.
+
+The only engine module that touches torch tensors on the hot path besides the model and
+the sampler. The attention backend (torch on CPU, Triton kernels on CUDA) is chosen once,
+in ``tidal.gpu.attention.select_attention_backend``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tidal.gpu.attention import select_attention_backend
+from tidal.gpu.forward_batch import ForwardBatch
+from tidal.gpu.model_loader import load_model, resolve_model_dir
+from tidal.gpu.sequence import Sequence
+from tidal.wire import EngineConfig
+
+log = logging.getLogger("tidal.engine")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # CPUs without bf16 matrix units run fp32 matmuls faster than bf16 ones.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, float32, float16 or bfloat16")
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_dir = resolve_model_dir(config.model)
+        self.attention = select_attention_backend(config.attention_backend, self.device)
+        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, self.attention)
+        mc = self.model_config
+        self.block_size = config.block_size
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if config.max_model_len and config.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"--max-model-len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({mc.max_position_embeddings})"
+            )
+        bytes_per_block = 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
+        if self.num_blocks * self.block_size < self.max_model_len:
+            # a request longer than the whole cache could never run: cap the length instead
+            log.warning("KV cache holds %d tokens: max_model_len lowered from %d",
+                        self.num_blocks * self.block_size, self.max_model_len)
+            self.max_model_len = self.num_blocks * self.block_size
+        shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(mc.num_layers)
+        ]
+        self.min_step_time = config.min_step_time
+
+    @torch.inference_mode()
+    def execute(self, entries: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run one forward pass; return the logits of the sequences that sample this step."""
+        started = time.monotonic()
+        batch, sampling = self._prepare(entries)
+        hidden = self.model(batch, self.kv_caches)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if self.min_step_time:
+            remaining = self.min_step_time - (time.monotonic() - started)
+            if remaining > 0:
+                time.sleep(remaining)  # the test model: a forward pass of fixed length
+        return logits, sampling
+
+    def _prepare(self, entries: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        sampling: list[Sequence] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefill_tables: list[list[int]] = []
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        for seq, num_new in entries:
+            start = seq.num_computed_tokens
+            end = start + num_new
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if end == seq.num_tokens:  # the chunk reaches the end: sample the next token
+                logits_rows.append(len(input_ids) - 1)
+                sampling.append(seq)
+            if num_new == 1 and not prefill_tables:
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                prefill_tables.append(table)
+                q_lens.append(num_new)
+                seq_lens.append(end)
+        dev = self.device
+        q_start = [0]
+        for n in q_lens:
+            q_start.append(q_start[-1] + n)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decodes=len(decode_tables),
+            decode_block_tables=_pad_tables(decode_tables, dev),
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            decode_max_seq_len=max(decode_lens, default=0),
+            prefill_query_lens=q_lens,
+            prefill_seq_lens=seq_lens,
+            prefill_query_start_loc=torch.tensor(q_start, dtype=torch.int32, device=dev),
+            prefill_seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            prefill_block_tables=_pad_tables(prefill_tables, dev),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+        )
+        return batch, sampling
+
+
+def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    flat = [row + [0] * (width - len(row)) for row in tables]
+    return torch.tensor(flat, dtype=torch.int32, device=device).reshape(len(tables), width)

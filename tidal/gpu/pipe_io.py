@@ -1,0 +1,140 @@
+"""The engine's side of the pipes: one reader thread, one writer thread.
+
+The step loop never blocks on I/O. The reader thread decodes frames into an inbox the
+loop drains between (and in the middle of) steps. The writer thread sends what the loop
+puts in the outbox; while the pipe is full (the frontend is behind), new step reports
+are *merged* into the pending one, request by request, so nothing is dropped and the
+loop never waits.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+from tidal.wire import (
+    FrameSplitter,
+    RequestOutput,
+    Shutdown,
+    StepReport,
+    ToEngine,
+    decode_to_engine,
+    encode_frame,
+)
+
+# The reader blocks (and the pipe fills, pushing back on the frontend) past this many
+# undrained messages. The frontend's own admission bound keeps it far below this.
+INBOX_MAX_MESSAGES = 65536
+
+
+class Inbox:
+    """Frames from the frontend, decoded by a daemon thread."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._queue: queue.Queue[ToEngine] = queue.Queue(INBOX_MAX_MESSAGES)
+        self._thread = threading.Thread(target=self._run, name="tidal-engine-reader", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        splitter = FrameSplitter()
+        try:
+            while True:
+                data = os.read(self._fd, 1 << 16)
+                if not data:
+                    break  # the frontend is gone: behave as if told to shut down
+                for body in splitter.feed(data):
+                    self._queue.put(decode_to_engine(body))
+        except OSError:
+            pass
+        self._queue.put(Shutdown())
+
+    def get(self, timeout: float | None) -> ToEngine | None:
+        """Wait up to ``timeout`` seconds (None: forever) for one message."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def get_nowait(self) -> ToEngine | None:
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return None
+
+
+class Outbox:
+    """Messages to the frontend; step reports merge while the writer is busy."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._lock = threading.Condition()
+        self._control: list = []  # Ready, Pong, EngineFailed: sent in order, before reports
+        self._report: StepReport | None = None
+        self._outputs: dict[int, RequestOutput] = {}
+        self._closed = False
+        self.num_merged_reports = 0
+        self._thread = threading.Thread(target=self._run, name="tidal-engine-writer", daemon=True)
+        self._thread.start()
+
+    def put_control(self, message) -> None:
+        with self._lock:
+            self._control.append(message)
+            self._lock.notify()
+
+    def put_report(self, report: StepReport) -> None:
+        with self._lock:
+            pending = self._report
+            if pending is None:
+                self._report = report
+                self._outputs = {o.request_id: o for o in report.outputs}
+            else:
+                self.num_merged_reports += 1
+                pending.started.extend(report.started)
+                for out in report.outputs:
+                    earlier = self._outputs.get(out.request_id)
+                    if earlier is None:
+                        self._outputs[out.request_id] = out
+                        pending.outputs.append(out)
+                    else:
+                        earlier.merge(out)
+                pending.finished.extend(report.finished)
+                pending.stats = report.stats
+            self._lock.notify()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush what is pending, then stop the writer."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._control or self._report or self._closed):
+                    self._lock.wait()
+                control, self._control = self._control, []
+                report, self._report = self._report, None
+                self._outputs = {}
+                closing = self._closed
+            data = b"".join(encode_frame(m) for m in control)
+            if report is not None:
+                data += encode_frame(report)
+            try:
+                if data:
+                    _write_all(self._fd, data)
+            except OSError:
+                return  # the frontend is gone; the reader will see EOF and stop the loop
+            if closing:
+                with self._lock:
+                    if not (self._control or self._report):
+                        return
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]

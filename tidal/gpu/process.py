@@ -1,0 +1,111 @@
+"""The engine process's main loop: drain the inbox, step, send the report. Nothing else.
+
+Messages are handled at two points per step: before scheduling, and between the forward
+pass and the processing of its outputs, so an abort that arrives mid-forward frees the
+request's KV blocks in that same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+
+from tidal.wire import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    Ping,
+    Pong,
+    Shutdown,
+    decode_config,
+    frame_length,
+    HEADER_SIZE,
+)
+
+log = logging.getLogger("tidal.engine")
+
+
+def _read_exact(fd: int, size: int) -> bytes:
+    chunks = []
+    while size:
+        data = os.read(fd, size)
+        if not data:
+            raise EOFError("frontend closed the pipe before sending the engine config")
+        chunks.append(data)
+        size -= len(data)
+    return b"".join(chunks)
+
+
+def run_engine_process(in_fd: int, out_fd: int) -> int:
+    logging.basicConfig(level=os.environ.get("TIDAL_ENGINE_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s engine %(levelname)s %(message)s")
+    config = decode_config(_read_exact(in_fd, frame_length(_read_exact(in_fd, HEADER_SIZE))))
+
+    # Everything below the config read may fail; the frontend must hear why.
+    from tidal.gpu.pipe_io import Inbox, Outbox
+
+    outbox = Outbox(out_fd)
+    try:
+        import torch
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        from tidal.gpu.engine import Engine
+
+        engine = Engine(config)
+    except Exception as exc:  # startup failure: report it, exit non-zero
+        outbox.put_control(EngineFailed(f"{type(exc).__name__}: {exc}"))
+        outbox.close()
+        traceback.print_exc()
+        return 1
+    inbox = Inbox(in_fd)
+    outbox.put_control(engine.ready_message())
+    try:
+        with torch.inference_mode():
+            _loop(engine, inbox, outbox)
+    except Exception as exc:
+        traceback.print_exc()
+        outbox.put_control(EngineFailed(f"{type(exc).__name__}: {exc}"))
+        outbox.close()
+        return 1
+    outbox.close()
+    return 0
+
+
+def _loop(engine, inbox, outbox) -> None:
+    shutting_down = False
+
+    def handle(message) -> None:
+        nonlocal shutting_down
+        if isinstance(message, AddRequest):
+            engine.add_request(message)
+        elif isinstance(message, AbortRequests):
+            engine.abort(message.request_ids)
+        elif isinstance(message, Ping):
+            outbox.put_control(Pong(message.nonce, engine.stats()))
+        elif isinstance(message, Shutdown):
+            shutting_down = True
+
+    def drain() -> None:
+        while (message := inbox.get_nowait()) is not None:
+            handle(message)
+
+    while not shutting_down:
+        if not engine.has_work():  # idle: sleep until the frontend says something
+            handle(inbox.get(timeout=None))
+        drain()
+        if shutting_down:
+            break
+        if engine.has_work() and not engine.step(between_passes=drain):
+            # nothing fits right now (all blocks held): wait for a message, not a spin
+            message = inbox.get(timeout=0.005)
+            if message is not None:
+                handle(message)
+        report = engine.take_report()
+        if report is not None:
+            outbox.put_report(report)
+    engine.abort_all()
+    report = engine.take_report()
+    if report is not None:
+        outbox.put_report(report)

@@ -1,0 +1,137 @@
+"""Continuous (iteration-level) batching with a token budget, chunked prefill and preemption.
+
+Every step the scheduler picks which sequences run and how many of their tokens:
+
+1. Running sequences, most urgent first: a decode takes one token, an unfinished prefill
+   takes the next chunk that fits the budget. A sequence that cannot get a KV block
+   preempts the least urgent running sequence (its blocks are freed and it goes back to
+   the queue to be recomputed later, usually from the prefix cache); if it is itself the
+   least urgent, it is the one preempted. Nothing is ever dropped.
+2. Waiting sequences, in policy order (FCFS, or priority then arrival): each takes its
+   cached prefix for free and a first chunk of its prompt, while the token budget, the
+   ``max_num_seqs`` bound and the free blocks allow. Waiting is strictly in order: a
+   request that does not fit blocks the ones behind it (no starvation of long prompts).
+
+Pure Python over ``Sequence`` and ``BlockManager``; no torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from tidal.gpu.block_manager import BlockManager
+from tidal.gpu.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    # (sequence, number of its tokens computed this step), decodes first
+    entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    started: list[Sequence] = field(default_factory=list)  # scheduled for the first time
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        by_priority: bool = False,
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.by_priority = by_priority
+        self.waiting: list[Sequence] = []  # kept sorted by sort_key
+        self.running: list[Sequence] = []  # kept sorted by sort_key
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ membership
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self._insert(self.waiting, seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def _key(self, seq: Sequence) -> tuple:
+        return seq.sort_key(self.by_priority)
+
+    def _insert(self, queue: list[Sequence], seq: Sequence) -> None:
+        keys = [self._key(s) for s in queue]
+        queue.insert(bisect.bisect(keys, self._key(seq)), seq)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        blocks = self.block_manager
+        decodes: list[tuple[Sequence, int]] = []
+        prefills: list[tuple[Sequence, int]] = []
+
+        # 1. running sequences, most urgent first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not blocks.can_allocate(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            else:
+                blocks.allocate(seq, num_new)
+                (decodes if seq.num_uncomputed_tokens == 1 else prefills).append((seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            # seq itself was preempted; self.running shrank, do not advance i
+
+        # 2. waiting sequences, in policy order
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = blocks.lookup_prefix(seq)
+            num_new = min(seq.num_tokens - len(prefix) * blocks.block_size, budget)
+            if not blocks.can_allocate(seq, num_new, prefix):
+                break
+            self.waiting.pop(0)
+            blocks.allocate(seq, num_new, prefix)
+            seq.status = SequenceStatus.RUNNING
+            self._insert(self.running, seq)
+            if not seq.started:
+                seq.started = True
+                batch.started.append(seq)
+            (decodes if num_new == 1 else prefills).append((seq, num_new))
+            budget -= num_new
+
+        batch.entries = decodes + prefills
+        return batch
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Free a running sequence's blocks and requeue it for recomputation."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_cached_tokens = 0
+        self.add(seq)
+        batch.preempted.append(seq)
+        self.num_preemptions += 1

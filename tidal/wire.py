@@ -1,0 +1,216 @@
+"""The messages that cross the process boundary between the frontend and the engine.
+
+This is the only module both sides import. Frames are length-prefixed msgpack
+(4-byte big-endian length, then one msgspec-encoded message). Structs are
+``array_like`` so a frame carries values, not field names.
+
+Frontend -> engine: ``EngineConfig`` (first frame), then ``AddRequest``, ``AbortRequests``,
+``Ping``, ``Shutdown``.
+Engine -> frontend: ``Ready`` (once the model is loaded), then ``StepReport`` (one per
+engine step that produced anything, merged when the pipe is behind), ``Pong``, and
+``EngineFailed`` if the engine hits an unrecoverable error.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Literal, Union
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """What the sampler and the stop checker need. Validated by the frontend."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything the engine process needs to start. Sent as the first frame."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    seed: int = 0
+    num_threads: int | None = None
+    # Test model knob: every forward pass lasts at least this long (seconds). Lets the
+    # cancellation tests put an abort "mid-forward" deterministically.
+    min_step_time: float = 0.0
+
+
+# ---------------------------------------------------------------- frontend -> engine
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    """Abort these requests. Unknown or already-finished ids are a no-op."""
+
+    request_ids: list[int]
+
+
+class Ping(msgspec.Struct, tag="ping", array_like=True):
+    """Answered by the step loop itself, so a hung loop stops answering."""
+
+    nonce: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+ToEngine = Union[AddRequest, AbortRequests, Ping, Shutdown]
+
+# ---------------------------------------------------------------- engine -> frontend
+
+
+class EngineStats(msgspec.Struct, array_like=True):
+    step: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_total_blocks: int = 0
+    num_used_blocks: int = 0  # held by live requests; cached-but-unreferenced blocks count as free
+    num_cached_blocks: int = 0  # blocks holding a reusable prefix (free or not)
+    num_prefix_hit_tokens: int = 0  # cumulative
+    num_preemptions: int = 0  # cumulative
+
+
+class RequestOutput(msgspec.Struct, array_like=True):
+    """New output of one request since the last one sent. Merged, never dropped."""
+
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    # the stop string or stop token id that ended the request, if any
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def merge(self, later: "RequestOutput") -> None:
+        self.token_ids.extend(later.token_ids)
+        self.text += later.text
+        self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
+        self.num_cached_tokens = later.num_cached_tokens
+
+
+class StepReport(msgspec.Struct, tag="step", array_like=True):
+    """What changed during one or more engine steps."""
+
+    started: list[int]  # requests scheduled for the first time (they left the queue)
+    outputs: list[RequestOutput]
+    finished: list[int]  # requests whose engine state (and KV blocks) are gone, incl. aborted
+    stats: EngineStats
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    model: str
+    max_model_len: int
+    block_size: int
+    num_total_blocks: int
+    max_num_seqs: int
+    device: str
+    dtype: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    pid: int
+
+
+class Pong(msgspec.Struct, tag="pong", array_like=True):
+    nonce: int
+    stats: EngineStats
+
+
+class EngineFailed(msgspec.Struct, tag="failed", array_like=True):
+    message: str
+
+
+FromEngine = Union[Ready, StepReport, Pong, EngineFailed]
+
+# ---------------------------------------------------------------- framing
+
+_LEN = struct.Struct(">I")
+HEADER_SIZE = _LEN.size
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_from_engine = msgspec.msgpack.Decoder(FromEngine)
+_config = msgspec.msgpack.Decoder(EngineConfig)
+
+
+def encode_frame(message: msgspec.Struct) -> bytes:
+    body = _encoder.encode(message)
+    return _LEN.pack(len(body)) + body
+
+
+def frame_length(header: bytes) -> int:
+    return _LEN.unpack(header)[0]
+
+
+def decode_to_engine(body: bytes) -> ToEngine:
+    return _to_engine.decode(body)
+
+
+def decode_from_engine(body: bytes) -> FromEngine:
+    return _from_engine.decode(body)
+
+
+def decode_config(body: bytes) -> EngineConfig:
+    return _config.decode(body)
+
+
+class FrameSplitter:
+    """Turns a byte stream into frame bodies (for a reader that gets arbitrary chunks)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buffer += data
+        bodies = []
+        start = 0
+        buffer = self._buffer
+        while len(buffer) - start >= HEADER_SIZE:
+            size = _LEN.unpack_from(buffer, start)[0]
+            end = start + HEADER_SIZE + size
+            if len(buffer) < end:
+                break
+            bodies.append(bytes(buffer[start + HEADER_SIZE : end]))
+            start = end
+        if start:
+            del buffer[:start]
+        return bodies
