@@ -1,0 +1,161 @@
+"""HTTP routes (quart-trio): parse, validate, admit, then stream.
+
+The handler decides the HTTP status before the first byte: it waits for the request's
+first output (or for the error that ends it) and only then returns the 200 streaming
+response. Everything that can fail before that is a real status with OpenAI's error JSON.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+from typing import Any
+
+import msgspec
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from tidal.frontend import Frontend, SHUTTING_DOWN
+from tidal.lifecycle import ActiveRequest
+from tidal.protocol import (
+    ApiError,
+    ChunkEncoder,
+    bad_request,
+    chat_messages,
+    completion_prompt,
+    fit_max_tokens,
+    parse_body,
+    validate,
+)
+from tidal.streaming import OutputReader, SseBody, collect
+from tidal.tokenizer import PromptTokenizer
+
+log = logging.getLogger("tidal.api")
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+                     413: "invalid_request_error"}
+
+
+def error_response(error: ApiError) -> Response:
+    return Response(error.json(), error.status, {"Content-Type": "application/json", **error.headers})
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status, {"Content-Type": "application/json"})
+
+
+class Api:
+    """Everything a route needs, held by the app (no module globals)."""
+
+    def __init__(self, frontend: Frontend, tokenizer: PromptTokenizer, model_name: str, max_model_len: int,
+                 vocab_size: int):
+        self.frontend = frontend
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    async def prepare(self, kind: str, body: bytes | dict) -> tuple[ActiveRequest, Any, Any]:
+        """Parse, validate, tokenise, admit and wait for the first output. Raises ApiError."""
+        parsed = parse_body(kind, body)  # type: ignore[arg-type]
+        if parsed.model is not None and parsed.model != self.model_name:
+            raise ApiError(404, f"The model `{parsed.model}` does not exist.", "not_found_error", "model",
+                           "model_not_found")
+        checked = validate(parsed, self.vocab_size)
+        if kind == "chat":
+            prompt_ids = await self.tokenizer.encode_chat(chat_messages(parsed))  # type: ignore[arg-type]
+        else:
+            prompt = completion_prompt(parsed)  # type: ignore[arg-type]
+            if isinstance(prompt, str):
+                prompt_ids = await self.tokenizer.encode_text(prompt)
+            else:
+                if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt):
+                    raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
+                prompt_ids = list(prompt)
+        params = fit_max_tokens(checked, len(prompt_ids), self.max_model_len)
+        active = self.frontend.open_request(prompt_ids, params, checked.priority)
+        first = await self.frontend.first_output(active)
+        return active, first, checked
+
+    async def complete(self, kind: str, body: bytes | dict) -> Response:
+        try:
+            active, first, checked = await self.prepare(kind, body)
+        except ApiError as error:
+            return error_response(error)
+        encoder = ChunkEncoder(kind, self.model_name)  # type: ignore[arg-type]
+        if checked.stream:
+            interval = checked.stream_interval or self.frontend.config.stream_interval
+            reader = OutputReader(self.frontend, active, first, interval)
+            return Response(SseBody(reader, encoder, checked.include_usage), 200, _SSE_HEADERS)
+        reader = OutputReader(self.frontend, active, first, math.inf)  # type: ignore[arg-type]
+        try:
+            return json_response(await collect(reader, encoder))
+        except ApiError as error:
+            return error_response(error)
+        finally:
+            self.frontend.close(active)
+
+
+def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_render, health_check) -> QuartTrio:
+    app = QuartTrio("tidal")
+    app.config["RESPONSE_TIMEOUT"] = None  # SSE streams may run for minutes
+    app.config["BODY_TIMEOUT"] = 60
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+    app.extensions["tidal"] = api
+
+    @app.before_request
+    async def check_auth():
+        if api_key is None or not request.path.startswith("/v1"):
+            return None
+        header = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
+            return error_response(ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                                           "authentication_error", None, "invalid_api_key"))
+        return None
+
+    async def body_bytes() -> bytes:
+        return await request.get_data(cache=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions():
+        return await api.complete("chat", await body_bytes())
+
+    @app.post("/v1/completions")
+    async def completions():
+        return await api.complete("completions", await body_bytes())
+
+    @app.get("/v1/models")
+    async def models():
+        return json_response({"object": "list", "data": [{
+            "id": api.model_name, "object": "model", "created": 0, "owned_by": "tidal",
+            "max_model_len": api.max_model_len}]})
+
+    @app.get("/health")
+    async def health():
+        if api.frontend.draining:
+            return error_response(ApiError(503, SHUTTING_DOWN, "service_unavailable"))
+        why = await health_check()
+        if why is not None:
+            return error_response(ApiError(503, f"The engine is not healthy: {why}", "service_unavailable"))
+        return Response(b"", 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(metrics_render(), 200, {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException):
+        status = error.code or 500
+        message = {413: f"Request body too large (the limit is {max_body_bytes} bytes)."}.get(
+            status, error.description or error.name)
+        return error_response(ApiError(status, message, _HTTP_ERROR_TYPES.get(status, "invalid_request_error")))
+
+    @app.errorhandler(Exception)
+    async def unexpected(error: Exception):
+        log.exception("unhandled error")
+        return error_response(ApiError(500, f"Internal server error: {type(error).__name__}", "server_error"))
+
+    return app

@@ -1,0 +1,78 @@
+"""A request's mailbox: where the demultiplexer leaves engine output for its handler.
+
+The demultiplexer never waits for a handler. ``put_nowait`` merges a new output into the
+undelivered one (lossless: token ids and text are concatenated), so a handler that falls
+behind reads one bigger delta instead of a backlog of small ones. What a slow reader may
+leave undelivered is bounded by ``max_bytes``; past it the mailbox reports an overflow
+and the request is aborted as a slow client.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from tidal.wire import RequestOutput
+
+
+class Mailbox:
+    __slots__ = ("_pending", "_lot", "_closed_reason", "num_merged", "num_pending_chunks",
+                 "pending_bytes", "max_bytes", "last_take_time", "last_backlog")
+
+    def __init__(self, max_bytes: int):
+        self._pending: RequestOutput | None = None
+        self._lot = trio.lowlevel.ParkingLot()
+        self._closed_reason: BaseException | None = None
+        self.max_bytes = max_bytes
+        self.num_merged = 0  # outputs merged into another one, over the request's life
+        self.num_pending_chunks = 0  # outputs in the undelivered delta
+        self.last_backlog = 0  # chunks merged into the last delivered delta
+        self.pending_bytes = 0
+        self.last_take_time = trio.current_time()
+
+    def put_nowait(self, output: RequestOutput) -> bool:
+        """Leave ``output`` for the reader. False if the undelivered bytes exceed the bound."""
+        pending = self._pending
+        if pending is None:
+            self._pending = output
+        else:
+            pending.merge(output)
+            self.num_merged += 1
+        self.num_pending_chunks += 1
+        self.pending_bytes += len(output.text) + 4 * len(output.token_ids)
+        self._lot.unpark_all()
+        return self.pending_bytes <= self.max_bytes
+
+    def close(self, reason: BaseException, discard: bool = False) -> None:
+        """Wake the reader with ``reason`` once the pending output is taken (or dropped)."""
+        if self._closed_reason is None:
+            self._closed_reason = reason
+        if discard:
+            self._pending = None
+            self.pending_bytes = 0
+        self._lot.unpark_all()
+
+    @property
+    def has_pending(self) -> bool:
+        return self._pending is not None
+
+    def take_nowait(self) -> RequestOutput | None:
+        output = self._pending
+        if output is not None:
+            self._pending = None
+            self.last_backlog = self.num_pending_chunks
+            self.num_pending_chunks = 0
+            self.pending_bytes = 0
+            self.last_take_time = trio.current_time()
+        return output
+
+    async def take(self) -> RequestOutput:
+        """Wait for output. Raises the close reason once nothing is pending.
+
+        Always a checkpoint. Cancellation leaves the pending output in place.
+        """
+        await trio.lowlevel.checkpoint()
+        while self._pending is None:
+            if self._closed_reason is not None:
+                raise self._closed_reason
+            await self._lot.park()
+        return self.take_nowait()  # type: ignore[return-value]

@@ -1,0 +1,74 @@
+"""Prometheus metrics (prometheus-client), one registry per server.
+
+Gauges that describe the engine are filled from the engine's latest stats when scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.num_requests_running = Gauge("tidal:num_requests_running",
+                                          "Requests scheduled in the engine.", labels, registry=r)
+        self.num_requests_waiting = Gauge("tidal:num_requests_waiting",
+                                          "Requests admitted and waiting to be scheduled.", labels, registry=r)
+        self.kv_cache_usage_perc = Gauge(
+            "tidal:kv_cache_usage_perc",
+            "Fraction of KV blocks held by live requests (cached blocks no request holds count as free).",
+            labels, registry=r)
+        self.kv_blocks_used = Gauge("tidal:kv_cache_blocks_used", "KV blocks held by live requests.",
+                                    labels, registry=r)
+        self.kv_blocks_total = Gauge("tidal:kv_cache_blocks_total", "KV blocks in the cache.", labels,
+                                     registry=r)
+        self.engine_step = Gauge("tidal:engine_steps", "Engine steps run so far.", labels, registry=r)
+        self.frontend_requests = Gauge("tidal:frontend_requests_active",
+                                       "Requests with state in the frontend.", labels, registry=r)
+        self.ttft = Histogram("tidal:time_to_first_token_seconds", "Arrival to first token.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tidal:inter_token_latency_seconds", "Time between engine outputs of a request.",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tidal:e2e_request_latency_seconds", "Arrival to the end of the request.", labels,
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("tidal:request_queue_time_seconds", "Arrival to first schedule.", labels,
+                                    buckets=_E2E_BUCKETS, registry=r)
+        self.aborted = Counter("tidal:requests_aborted", "Requests aborted after admission.",
+                               labels + ["reason"], registry=r)
+        self.rejected = Counter("tidal:requests_rejected", "Requests refused with a 503.",
+                                labels + ["reason"], registry=r)
+        self.prompt_tokens = Counter("tidal:prompt_tokens", "Prompt tokens of admitted requests.", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("tidal:generation_tokens", "Tokens generated.", labels, registry=r)
+        self.coalesced_chunks = Counter(
+            "tidal:stream_coalesced_chunks",
+            "Engine outputs merged into another one because the client was behind.", labels, registry=r)
+        self.finished = Counter("tidal:requests_finished", "Requests finished, by finish reason.",
+                                labels + ["finished_reason"], registry=r)
+        m = model_name
+        self.ttft_m = self.ttft.labels(m)
+        self.itl_m = self.itl.labels(m)
+        self.e2e_m = self.e2e.labels(m)
+        self.queue_time_m = self.queue_time.labels(m)
+        self.generation_tokens_m = self.generation_tokens.labels(m)
+        self.prompt_tokens_m = self.prompt_tokens.labels(m)
+        self.coalesced_m = self.coalesced_chunks.labels(m)
+        self.model_name = m
+
+    def render(self, stats, num_frontend_requests: int) -> bytes:
+        m = self.model_name
+        self.num_requests_running.labels(m).set(stats.num_running)
+        self.num_requests_waiting.labels(m).set(stats.num_waiting)
+        total = stats.num_total_blocks or 1
+        self.kv_cache_usage_perc.labels(m).set(stats.num_used_blocks / total)
+        self.kv_blocks_used.labels(m).set(stats.num_used_blocks)
+        self.kv_blocks_total.labels(m).set(stats.num_total_blocks)
+        self.engine_step.labels(m).set(stats.step)
+        self.frontend_requests.labels(m).set(num_frontend_requests)
+        return generate_latest(self.registry)

@@ -1,0 +1,315 @@
+"""OpenAI's request and response shapes: parse and validate bodies, encode chunks and errors.
+
+Pure functions over msgspec structs; no I/O. The streaming hot path builds each SSE frame
+from a prefix prepared once per request plus the JSON-encoded text, so a frame costs one
+small ``msgspec.json.encode`` and a bytes join.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from tidal.wire import SamplingParams
+
+_json_encode = msgspec.json.encode
+
+
+class ApiError(Exception):
+    """An error answered with a real HTTP status and OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code if code is not None else status
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def json(self) -> bytes:
+        return _json_encode(self.body())
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param)
+
+
+# ------------------------------------------------------------------ request bodies
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class TextPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stream_interval: int | None = None
+    priority: int = 0
+    n: int = 1
+    logprobs: bool | int | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Common, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list[int | str | list[int]]
+    echo: bool = False
+    suffix: str | None = None
+
+
+_decoders = {
+    "chat": msgspec.json.Decoder(ChatCompletionRequest),
+    "completions": msgspec.json.Decoder(CompletionRequest),
+}
+
+ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+
+def parse_body(kind: Literal["chat", "completions"], body: bytes | dict) -> ChatCompletionRequest | CompletionRequest:
+    """Decode and type-check a request body (400 with the offending field otherwise)."""
+    try:
+        if isinstance(body, dict):
+            return msgspec.convert(body, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        return _decoders[kind].decode(body)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        param = text.rsplit("at `$.", 1)[-1].rstrip("`") if "at `$." in text else None
+        raise bad_request(f"Invalid request: {text}", param) from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"Request body is not valid JSON: {exc}") from None
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as plain dicts for the chat template; text parts only."""
+    if not request.messages:
+        raise bad_request("'messages' must contain at least one message", "messages")
+    out = []
+    for i, message in enumerate(request.messages):
+        if message.role not in ROLES:
+            raise bad_request(f"messages[{i}].role {message.role!r} is not one of {sorted(ROLES)}",
+                              f"messages.{i}.role")
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{i}]: only text content parts are supported "
+                                      f"(got type {part.type!r})", f"messages.{i}.content")
+                texts.append(part.text)
+            content = "".join(texts)
+        out.append({"role": message.role, "content": content or ""})
+    return out
+
+
+def completion_prompt(request: CompletionRequest) -> str | list[int]:
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request("Batched prompts are not supported: send one prompt per request", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("'prompt' must not be empty", "prompt")
+        return prompt
+    if not prompt:
+        raise bad_request("'prompt' must not be empty", "prompt")
+    return prompt
+
+
+def _check(condition: bool, message: str, param: str) -> None:
+    if not condition:
+        raise bad_request(message, param)
+
+
+@dataclass(frozen=True)
+class Validated:
+    params: SamplingParams
+    max_tokens_given: bool
+    stream: bool
+    include_usage: bool
+    stream_interval: int | None
+    priority: int
+
+
+def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> Validated:
+    """Range checks shared by both endpoints. Prompt length is checked after tokenising."""
+    r = request
+    _check(r.n == 1, "Only n=1 is supported", "n")
+    _check(not r.logprobs, "logprobs are not supported", "logprobs")
+    if isinstance(r, CompletionRequest):
+        _check(not r.echo, "echo is not supported", "echo")
+        _check(r.suffix is None, "suffix is not supported", "suffix")
+    max_tokens = r.max_tokens
+    if isinstance(r, ChatCompletionRequest) and r.max_completion_tokens is not None:
+        max_tokens = r.max_completion_tokens
+    param = "max_tokens"
+    _check(max_tokens is None or max_tokens >= 1, "max_tokens must be at least 1", param)
+    temperature = 1.0 if r.temperature is None else r.temperature
+    _check(0.0 <= temperature <= 2.0, "temperature must be between 0 and 2", "temperature")
+    top_p = 1.0 if r.top_p is None else r.top_p
+    _check(0.0 < top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
+    top_k = r.top_k
+    _check(top_k is None or top_k >= -1, "top_k must be -1 (off), 0 (off) or positive", "top_k")
+    if top_k is not None and top_k <= 0:
+        top_k = None
+    min_p = 0.0 if r.min_p is None else r.min_p
+    _check(0.0 <= min_p <= 1.0, "min_p must be between 0 and 1", "min_p")
+    presence = r.presence_penalty or 0.0
+    frequency = r.frequency_penalty or 0.0
+    _check(-2.0 <= presence <= 2.0, "presence_penalty must be between -2 and 2", "presence_penalty")
+    _check(-2.0 <= frequency <= 2.0, "frequency_penalty must be between -2 and 2", "frequency_penalty")
+    repetition = 1.0 if r.repetition_penalty is None else r.repetition_penalty
+    _check(0.0 < repetition <= 10.0, "repetition_penalty must be in (0, 10]", "repetition_penalty")
+    stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+    _check(len(stop) <= 16, "at most 16 stop strings are supported", "stop")
+    _check(all(stop), "stop strings must not be empty", "stop")
+    stop_ids = r.stop_token_ids or []
+    _check(all(0 <= t < vocab_size for t in stop_ids), f"stop_token_ids must be in [0, {vocab_size})",
+           "stop_token_ids")
+    _check(r.seed is None or -(2**63) <= r.seed < 2**64, "seed is out of range", "seed")
+    _check(r.stream_interval is None or r.stream_interval >= 1, "stream_interval must be at least 1",
+           "stream_interval")
+    _check(-(2**31) <= r.priority < 2**31, "priority is out of range", "priority")
+    params = SamplingParams(
+        max_tokens=max_tokens or 1,  # replaced by the room left in the context when not given
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=r.seed,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        stop=tuple(stop),
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=r.ignore_eos,
+        skip_special_tokens=r.skip_special_tokens,
+    )
+    include_usage = bool(r.stream_options and r.stream_options.include_usage)
+    return Validated(params, max_tokens is not None, r.stream, include_usage, r.stream_interval, r.priority)
+
+
+def fit_max_tokens(v: Validated, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    """Check the prompt against the context window; default max_tokens to the room left."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{num_prompt_tokens} input tokens. Please reduce the length of the input.", "messages")
+    if not v.max_tokens_given:
+        return msgspec.structs.replace(v.params, max_tokens=room)
+    if v.params.max_tokens > room:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{v.params.max_tokens + num_prompt_tokens} tokens ({num_prompt_tokens} in the input, "
+            f"{v.params.max_tokens} in the completion). Please reduce the length of the input or "
+            f"the completion.", "max_tokens")
+    return v.params
+
+
+# ------------------------------------------------------------------ responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class ChunkEncoder:
+    """Builds one request's stream chunks (SSE frames or WebSocket payload objects)."""
+
+    def __init__(self, kind: Literal["chat", "completions"], model: str):
+        self.kind = kind
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        head = {"id": self.id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                "created": self.created, "model": model}
+        self._head = _json_encode(head)[:-1]  # without the closing brace
+        if kind == "chat":
+            self._first = self._head + b',"choices":[{"index":0,"delta":{"role":"assistant","content":'
+            self._next = self._head + b',"choices":[{"index":0,"delta":{"content":'
+            self._mid = b'},"logprobs":null,"finish_reason":'
+        else:
+            self._first = self._next = self._head + b',"choices":[{"index":0,"text":'
+            self._mid = b',"logprobs":null,"finish_reason":'
+        self._sent_first = False
+
+    def chunk_json(self, text: str, finish_reason: str | None) -> bytes:
+        """One chunk as JSON bytes: the first chat chunk also carries the role."""
+        prefix = self._next if self._sent_first else self._first
+        self._sent_first = True
+        reason = b"null" if finish_reason is None else _json_encode(finish_reason)
+        return prefix + _json_encode(text) + self._mid + reason + b"}]}"
+
+    def usage_json(self, usage_obj: dict[str, Any]) -> bytes:
+        return self._head + b',"choices":[],"usage":' + _json_encode(usage_obj) + b"}"
+
+    def error_json(self, error: ApiError) -> bytes:
+        return error.json()
+
+    def full_response(self, text: str, finish_reason: str | None, usage_obj: dict[str, Any],
+                      stop_reason: str | int | None) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason, "stop_reason": stop_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                      "stop_reason": stop_reason}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": usage_obj}
+
+
+def sse(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

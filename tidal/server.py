@@ -1,0 +1,145 @@
+"""``serve()``: the root nursery. Engine client, HTTP server, watchdogs and signals live here.
+
+Nursery nesting is lifetime nesting::
+
+    serve()                                   root nursery
+      EngineClient.run                        engine process + writer/demux/heartbeat tasks
+      hypercorn.trio.serve                    one task per connection; quart-trio one per request
+      Frontend.watch_stalls                   slow-client watchdog
+      _handle_signals                         SIGINT/SIGTERM: drain, then stop
+
+Policy on engine failure: every request in flight is failed at once (the engine client
+closes their mailboxes), /health answers 503, and after a one-second grace for those
+errors to reach the clients ``serve`` raises ``EngineDead``: the process exits non-zero
+so that a supervisor (systemd, Kubernetes) restarts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from functools import partial
+
+import hypercorn.config
+import hypercorn.trio
+import trio
+
+from tidal.api import Api, create_app
+from tidal.config import ServerConfig
+from tidal.engine_client import EngineClient, EngineDead, channel_capacity
+from tidal.frontend import Frontend, request_scope_middleware
+from tidal.metrics import Metrics
+from tidal.tokenizer import PromptTokenizer
+
+log = logging.getLogger("tidal.server")
+
+ENGINE_FAILURE_GRACE = 1.0  # seconds for error frames to reach clients before the server exits
+
+
+class Server:
+    """A running tidal server (for tests and embedding): ``await nursery.start(Server(cfg).run)``."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.metrics = Metrics(config.model_name)
+        max_in_flight = config.max_queued_requests + config.engine.max_num_seqs
+        self.engine = EngineClient(
+            config.engine,
+            channel_capacity=channel_capacity(max_in_flight),
+            heartbeat_interval=config.engine_heartbeat_interval,
+            heartbeat_timeout=config.engine_heartbeat_timeout,
+            start_timeout=config.engine_start_timeout,
+        )
+        self.frontend: Frontend | None = None
+        self.urls: list[str] = []
+        self.stopping = False
+        self._shutdown = trio.Event()
+        self._stopped = trio.Event()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        async with trio.open_nursery() as nursery:
+            ready = await nursery.start(self._run_engine)
+            tokenizer = await PromptTokenizer.load(ready.model, cfg.tokenizer_workers)
+            frontend = self.frontend = Frontend(cfg, self.engine, self.metrics, ready.max_num_seqs)
+            api = Api(frontend, tokenizer, cfg.model_name, ready.max_model_len, ready.vocab_size)
+            app = create_app(api, cfg.api_key, cfg.max_request_body_bytes,
+                             lambda: self.metrics.render(self.engine.stats, len(frontend.active)),
+                             self._health_check)
+            asgi = request_scope_middleware(app, lambda: frontend)
+            hconfig = hypercorn.config.Config()
+            hconfig.bind = [f"{cfg.host}:{cfg.port}"]
+            hconfig.graceful_timeout = 2.0
+            hconfig.keep_alive_timeout = 75
+            hconfig.accesslog = None
+            hconfig.errorlog = logging.getLogger("hypercorn.error")
+            self.urls = await nursery.start(partial(hypercorn.trio.serve, asgi, hconfig,
+                                                    shutdown_trigger=self._shutdown.wait))
+            nursery.start_soon(frontend.watch_stalls)
+            log.info("tidal ready: serving %s at %s (engine pid %d)", cfg.model_name, self.urls[0], ready.pid)
+            task_status.started(self.urls)
+            await self._stopped.wait()
+            nursery.cancel_scope.cancel()
+
+    async def _run_engine(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self.engine.run(task_status=task_status)
+        except EngineDead:
+            if self.engine.ready is not None:  # failed while serving: let the errors reach clients
+                with trio.CancelScope(shield=True):
+                    await trio.sleep(ENGINE_FAILURE_GRACE)
+            raise
+
+    async def _health_check(self) -> str | None:
+        if not self.engine.healthy:
+            return self.engine.dead or "starting"
+        if await self.engine.ping(timeout=2.0) is None:
+            return self.engine.dead or "no answer from the engine within 2 s"
+        return None
+
+    async def stop(self) -> None:
+        """Graceful stop: refuse new requests, drain for --shutdown-timeout, abort the rest, exit."""
+        if self.stopping:
+            return
+        self.stopping = True
+        if self.frontend is not None:
+            await self.frontend.drain(self.config.shutdown_timeout)
+            with trio.move_on_after(2.0):  # let aborted streams write their final frame
+                while self.frontend.active:
+                    await trio.sleep(0.01)
+        self._shutdown.set()
+        await trio.sleep(0.05)
+        self._stopped.set()
+
+    def stop_now(self) -> None:
+        self._shutdown.set()
+        self._stopped.set()
+
+
+async def serve(config: ServerConfig) -> int:
+    """Run until SIGINT/SIGTERM (graceful; a second signal stops at once). Returns the exit code."""
+    server = Server(config)
+    exit_code = 0
+    try:
+        async with trio.open_nursery() as nursery:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async def on_signals():
+                    async for signum in signals:
+                        if server.stopping:
+                            log.warning("second signal: stopping now")
+                            nonlocal exit_code
+                            exit_code = 1
+                            server.stop_now()
+                            nursery.cancel_scope.cancel()
+                            return
+                        log.info("%s: draining (up to %.0f s), then stopping", signal.Signals(signum).name,
+                                 config.shutdown_timeout)
+                        nursery.start_soon(server.stop)
+
+                nursery.start_soon(on_signals)
+                await server.run()
+                nursery.cancel_scope.cancel()
+    except* EngineDead as group:
+        log.error("exiting: %s", group.exceptions[0])
+        exit_code = 3
+    return exit_code

@@ -1,0 +1,54 @@
+"""Chat templates and tokenisation, off the event loop.
+
+Both run in worker threads (``trio.to_thread``) behind a CapacityLimiter of
+``--tokenizer-workers``, so rendering a 100k-token prompt delays no other request's
+frames. A cancelled caller abandons the thread (its result is dropped) but the limiter
+slot stays taken until the thread finishes, so the bound holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+from tidal.protocol import bad_request
+
+log = logging.getLogger("tidal.tokenizer")
+
+
+class PromptTokenizer:
+    def __init__(self, model_dir: str, workers: int):
+        # The fast tokenizer class reads any tokenizer.json (+ tokenizer_config.json with the chat
+        # template). Unlike AutoTokenizer it does not import model modules, and never torch.
+        from transformers import PreTrainedTokenizerFast
+
+        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+        self.limiter = trio.CapacityLimiter(workers)
+        self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+
+    @classmethod
+    async def load(cls, model_dir: str, workers: int) -> "PromptTokenizer":
+        return await trio.to_thread.run_sync(cls, model_dir, workers)
+
+    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return await trio.to_thread.run_sync(self._encode_chat, messages, limiter=self.limiter,
+                                             abandon_on_cancel=True)
+
+    async def encode_text(self, text: str) -> list[int]:
+        return await trio.to_thread.run_sync(self._encode_text, text, limiter=self.limiter,
+                                             abandon_on_cancel=True)
+
+    def _encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not self.has_chat_template:
+            raise bad_request("This model has no chat template; use /v1/completions", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # a template may raise on roles or orders it does not support
+            raise bad_request(f"The chat template could not render these messages: {exc}", "messages") from None
+        # the template writes the special tokens it wants (e.g. BOS); add none of our own
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
