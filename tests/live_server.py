@@ -1,0 +1,131 @@
+"""Start a real ``tidal serve`` process for a test and talk to it like a user would.
+
+    with LiveServer("--max-num-seqs", "2") as server:
+        httpx.get(server.url + "/health")
+        server.metrics()["tidal:kv_cache_blocks_used"]
+
+A free port is picked first. The server's log goes to a file, shown if startup fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_METRIC_LINE = re.compile(r'^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+([-+\deE.naInf]+)$')
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {name or name{labels}: value}; label-less keys also get the bare name."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC_LINE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        out[name + labels] = value
+        # metrics labelled only by model_name are also reachable by their bare name
+        if re.fullmatch(r'\{model_name="[^"]*"\}', labels):
+            out[name] = value
+    return out
+
+
+class LiveServer:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, start_timeout: float = 120.0):
+        self.args = list(args)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = env
+        self.start_timeout = start_timeout
+        self.process: subprocess.Popen | None = None
+        self.log_file = tempfile.NamedTemporaryFile("w+", prefix="tidal-serve-", suffix=".log", delete=False)
+
+    def __enter__(self) -> "LiveServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        env.setdefault("TIDAL_ENGINE_LOG_LEVEL", "WARNING")
+        if self.env:
+            env.update(self.env)
+        cmd = [sys.executable, "-m", "tidal", "serve", "--port", str(self.port), *self.args]
+        self.process = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tidal serve exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"tidal serve did not become healthy:\n{self.log()}")
+
+    def log(self) -> str:
+        self.log_file.flush()
+        with open(self.log_file.name) as fh:
+            return fh.read()
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def engine_pid(self) -> int:
+        import psutil
+
+        children = psutil.Process(self.process.pid).children()
+        return next(c.pid for c in children if "tidal.gpu" in " ".join(c.cmdline()))
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text)
+
+    def wait_for(self, predicate, timeout: float = 10.0, interval: float = 0.02) -> dict[str, float]:
+        """Poll /metrics until ``predicate(metrics)`` holds; return those metrics."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if predicate(m):
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not met within {timeout} s; last metrics: "
+                                     f"{ {k: v for k, v in m.items() if '{' not in k} }")
+            time.sleep(interval)
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        """Wait until no request state is left anywhere and every KV block is free."""
+        return self.wait_for(
+            lambda m: m["tidal:kv_cache_blocks_used"] == 0
+            and m["tidal:num_requests_running"] == 0
+            and m["tidal:num_requests_waiting"] == 0
+            and m["tidal:frontend_requests_active"] == 0,
+            timeout,
+        )

@@ -1,0 +1,139 @@
+"""The WebSocket endpoint ``/v1/ws``: many OpenAI requests multiplexed on one connection.
+
+One connection is one nursery (quart-trio cancels it when the socket closes); each request
+on it is a task with its own cancel scope, so a ``cancel`` message or a closed socket ends
+exactly the requests it should, and the connection's RequestScope aborts them in the
+engine. Requests run through the same ``Api.prepare`` -> ``OutputReader`` path as SSE, so
+admission, queue timeouts and the slow-client bounds apply unchanged. Protocol:
+docs/websocket.md.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import msgspec
+import trio
+from quart import websocket
+
+from tidal.api import Api
+from tidal.frontend import ShutdownAbort
+from tidal.protocol import ApiError, ChunkEncoder, bad_request
+from tidal.streaming import OutputReader
+
+_ENDPOINTS = {"chat.completions": "chat", "completions": "completions"}
+
+
+class ClientMessage(msgspec.Struct):
+    type: str
+    id: str | int | None = None
+    endpoint: str | None = None
+    body: dict[str, Any] | None = None
+
+
+_decode = msgspec.json.Decoder(ClientMessage).decode
+_encode = msgspec.json.encode
+
+
+def _error_message(request_id: Any, error: ApiError) -> str:
+    return _encode({"type": "error", "id": request_id, "status": error.status, **error.body()}).decode()
+
+
+def register_websocket(app, api: Api, max_requests: int, api_key: str | None) -> None:
+    @app.websocket("/v1/ws")
+    async def ws_endpoint():
+        if api_key is not None:
+            header = websocket.headers.get("Authorization", "")
+            if not hmac.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
+                await websocket.accept()
+                await websocket.send(_error_message(None, ApiError(
+                    401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                    "authentication_error", None, "invalid_api_key")))
+                await websocket.close(1008)
+                return
+        await websocket.accept()
+        await Connection(api, max_requests).serve()
+
+
+class Connection:
+    def __init__(self, api: Api, max_requests: int):
+        self.api = api
+        self.max_requests = max_requests
+        self.streams: dict[Any, trio.CancelScope] = {}
+
+    async def send(self, text: str) -> None:
+        await websocket.send(text)
+
+    async def serve(self) -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                raw = await websocket.receive()
+                try:
+                    message = _decode(raw)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    await self.send(_error_message(None, bad_request(f"Invalid message: {exc}")))
+                    continue
+                if message.type == "request":
+                    await self.start(nursery, message)
+                elif message.type == "cancel":
+                    scope = self.streams.get(message.id)
+                    if scope is not None:
+                        scope.cancel()
+                else:
+                    await self.send(_error_message(message.id, bad_request(
+                        f"Unknown message type {message.type!r}: expected 'request' or 'cancel'", "type")))
+
+    async def start(self, nursery: trio.Nursery, message: ClientMessage) -> None:
+        rid = message.id
+        if rid is None or not isinstance(message.body, dict):
+            await self.send(_error_message(rid, bad_request("A request needs an 'id' and a 'body' object")))
+        elif message.endpoint not in _ENDPOINTS:
+            await self.send(_error_message(rid, bad_request(
+                f"Unknown endpoint {message.endpoint!r}: expected 'chat.completions' or 'completions'",
+                "endpoint")))
+        elif rid in self.streams:
+            await self.send(_error_message(rid, bad_request(f"Request id {rid!r} is already streaming", "id")))
+        elif len(self.streams) >= self.max_requests:
+            await self.send(_error_message(rid, ApiError(
+                429, f"Too many concurrent requests on this connection (the limit is {self.max_requests}).",
+                "rate_limit_error", None, 429)))
+        else:
+            scope = self.streams[rid] = trio.CancelScope()
+            nursery.start_soon(self.stream, rid, _ENDPOINTS[message.endpoint], message.body, scope)
+
+    async def stream(self, rid: Any, kind: str, body: dict[str, Any], scope: trio.CancelScope) -> None:
+        api = self.api
+        id_json = _encode(rid)
+        active = None
+        try:
+            with scope:
+                body = {**body, "stream": True}
+                try:
+                    active, first, checked = await api.prepare(kind, body)
+                except ApiError as error:
+                    await self.send(_error_message(rid, error))
+                    return
+                interval = checked.stream_interval or api.frontend.config.stream_interval
+                reader = OutputReader(api.frontend, active, first, interval)
+                encoder = ChunkEncoder(kind, api.model_name)  # type: ignore[arg-type]
+                prefix = b'{"type":"chunk","id":' + id_json + b',"data":'
+                while not reader.done:
+                    try:
+                        text, finish = await reader.next_delta()
+                    except ShutdownAbort:
+                        text, finish = "", "abort"
+                        reader.done = True
+                    if finish is None and not text:
+                        continue
+                    await self.send((prefix + encoder.chunk_json(text, finish) + b"}").decode())
+                await self.send(_encode({"type": "done", "id": rid, "usage": reader.usage()}).decode())
+            if scope.cancelled_caught and active is not None:  # the client sent "cancel"
+                api.frontend.close(active, "client_cancel")
+                await self.send(_encode({"type": "done", "id": rid, "usage": None, "cancelled": True}).decode())
+        except ApiError as error:  # the request ended early (slow client, engine failure)
+            await self.send(_error_message(rid, error))
+        finally:
+            self.streams.pop(rid, None)
+            if active is not None:
+                api.frontend.close(active, "client_disconnect")
