@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Callable
 
+import torch
 from tokenizers import Tokenizer
 
 from tidal.gpu.block_manager import BlockManager
@@ -108,6 +109,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
+    @torch.inference_mode()
     def step(self, between_passes: Callable[[], None] = lambda: None) -> bool:
         """Run one iteration. False if nothing could be scheduled (waiting for blocks)."""
         batch = self.scheduler.schedule()

@@ -62,8 +62,7 @@ def run_engine_process(in_fd: int, out_fd: int) -> int:
     inbox = Inbox(in_fd)
     outbox.put_control(engine.ready_message())
     try:
-        with torch.inference_mode():
-            _loop(engine, inbox, outbox)
+        _loop(engine, inbox, outbox)
     except Exception as exc:
         traceback.print_exc()
         outbox.put_control(EngineFailed(f"{type(exc).__name__}: {exc}"))

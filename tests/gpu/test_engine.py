@@ -1,0 +1,179 @@
+"""The whole engine in-process (scheduler + blocks + model + sampler + stops) against
+transformers: greedy tokens equal ``generate(do_sample=False)`` token for token, also when
+a batch of mixed-length requests forces chunked prefill, preemption and prefix-cache hits.
+
+Rules for determinism: float32 on CPU, greedy sampling, tiny random models whose logit gaps
+are far above float32 noise (tests/hf_models.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_models import make_hf_model
+from tidal.gpu.engine import Engine
+from tidal.wire import AddRequest, EngineConfig, SamplingParams
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model_dir(request, tmp_path_factory):
+    return make_hf_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def run_engine(engine: Engine, requests: dict[int, tuple[list[int], SamplingParams]],
+               max_steps: int = 10_000) -> dict[int, list[int]]:
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(AddRequest(rid, prompt, params, 0, 0.0))
+    tokens: dict[int, list[int]] = {rid: [] for rid in requests}
+    finished: set[int] = set()
+    for _ in range(max_steps):
+        if not engine.has_work():
+            break
+        engine.step()
+        report = engine.take_report()
+        if report:
+            for out in report.outputs:
+                tokens[out.request_id].extend(out.token_ids)
+            finished.update(report.finished)
+    assert finished == set(requests), "every request must finish"
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.num_used_blocks == 0, "all KV blocks free at the end"
+    assert not engine.sequences
+    return tokens
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def prompts(seed: int, count: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+
+
+def test_single_request_matches_transformers(model_dir, hf_model):
+    engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=64, block_size=16))
+    prompt = prompts(1, 1, 20, 20, hf_model.config.vocab_size)[0]
+    got = run_engine(engine, {1: (prompt, greedy(16))})[1]
+    assert got == hf_greedy(hf_model, prompt, 16)
+
+
+def test_batch_with_chunked_prefill_preemption_and_prefix_hits(model_dir, hf_model):
+    vocab = hf_model.config.vocab_size
+    system = prompts(7, 1, 40, 40, vocab)[0]  # a shared "system prompt" of 2.5 blocks
+    reqs = prompts(3, 6, 3, 70, vocab)  # mixed lengths, some longer than the token budget
+    reqs += [system + p for p in prompts(4, 4, 2, 12, vocab)]
+    expected = {i: hf_greedy(hf_model, p, 12) for i, p in enumerate(reqs)}
+    # a budget of 24 tokens chunks every long prompt; 14 blocks of 8 tokens cannot hold all
+    # ten requests at once, so the scheduler must preempt and recompute
+    engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=14, block_size=8,
+                                 max_num_batched_tokens=24, max_num_seqs=8))
+    got = run_engine(engine, {i: (p, greedy(12)) for i, p in enumerate(reqs)})
+    assert got == expected
+    stats = engine.stats()
+    assert stats.num_preemptions > 0, "the cache was sized to force preemption"
+    assert stats.num_prefix_hit_tokens > 0, "the shared system prompt was served from the prefix cache"
+
+
+def test_abort_mid_step_frees_blocks_and_drops_the_token(model_dir):
+    engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=32, block_size=8))
+    engine.add_request(AddRequest(1, list(range(10, 30)), greedy(50), 0, 0.0))
+    engine.add_request(AddRequest(2, list(range(40, 50)), greedy(50), 0, 0.0))
+    engine.step()
+    engine.take_report()
+    # the abort lands between the forward pass and output processing
+    engine.step(between_passes=lambda: engine.abort([1, 999]))  # 999: unknown id is a no-op
+    report = engine.take_report()
+    assert 1 in report.finished
+    assert all(o.request_id != 1 for o in report.outputs), "no token of an aborted request is emitted"
+    assert [o.request_id for o in report.outputs] == [2]
+    remaining = engine.sequences[2]
+    assert engine.block_manager.num_used_blocks == len(remaining.block_table)
+    engine.abort([1, 2])  # finished and live: both fine
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_stop_conditions(model_dir, hf_model):
+    vocab = hf_model.config.vocab_size
+    prompt = prompts(11, 1, 12, 12, vocab)[0]
+    reference = hf_greedy(hf_model, prompt, 10)
+    engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=64, block_size=8,
+                                 max_model_len=len(prompt) + 5))
+    # stop_token_ids: ends at the first occurrence, reason = that id
+    stop_id = reference[3]
+    engine.add_request(AddRequest(1, prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                                            stop_token_ids=(stop_id,)), 0, 0.0))
+    # max-model-len ends a request that asks for more than the context allows
+    engine.add_request(AddRequest(2, prompt, greedy(10), 0, 0.0))
+    outs: dict[int, list] = {1: [], 2: []}
+    while engine.has_work():
+        engine.step()
+        for o in engine.take_report().outputs:
+            outs[o.request_id].append(o)
+    first_stop = reference.index(stop_id)
+    assert [t for o in outs[1] for t in o.token_ids] == reference[: first_stop + 1]
+    assert outs[1][-1].finish_reason == "stop" and outs[1][-1].stop_reason == stop_id
+    assert [t for o in outs[2] for t in o.token_ids] == reference[:5]
+    assert outs[2][-1].finish_reason == "length"
+
+
+def test_stop_string_ends_in_the_step_that_produced_it(model_dir):
+    engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=64, block_size=8))
+    prompt = list(range(100, 112))
+    engine.add_request(AddRequest(1, prompt, greedy(12), 0, 0.0))
+    texts, ids = [], []
+    while engine.has_work():
+        engine.step()
+        for o in engine.take_report().outputs:
+            texts.append(o.text)
+            ids.extend(o.token_ids)
+    full = "".join(texts)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    if not stop.strip():
+        pytest.skip("greedy text too short/blank for a stop string")
+    cut = full.index(stop)
+    engine.add_request(AddRequest(2, prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                            stop=(stop,)), 0, 0.0))
+    outs = []
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        outs.extend(engine.take_report().outputs)
+    text = "".join(o.text for o in outs)
+    assert text == full[:cut]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+    produced = sum(len(o.token_ids) for o in outs)
+    # it stopped at the token that completed the stop string: no wasted decode step
+    prefix_text = engine.tokenizer.decode(ids[:produced])
+    assert stop in prefix_text and stop not in engine.tokenizer.decode(ids[: produced - 1])
+    assert steps == produced
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(model_dir):
+    engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=64, block_size=8))
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = run_engine(engine, {1: ([5, 6, 7, 8], params)})[1]
+    others = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    batched = run_engine(engine, {2: ([5, 6, 7, 8], params), 3: ([9, 9, 9], others), 4: ([1, 2], others)})[2]
+    assert alone == batched
