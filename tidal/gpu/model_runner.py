@@ -14,8 +14,10 @@ import torch
 
 from tidal.gpu.attention import select_attention_backend
 from tidal.gpu.forward_batch import ForwardBatch
+from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import load_model, resolve_model_dir
 from tidal.gpu.sequence import Sequence
+from tidal.gpu.synthetic_model import SYNTHETIC_MODEL_NAME, SyntheticModel
 from tidal.wire import EngineConfig
 
 log = logging.getLogger("tidal.engine")
@@ -48,7 +50,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = resolve_model_dir(config.model)
         self.attention = select_attention_backend(config.attention_backend, self.device)
-        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, self.attention)
+        if config.model == SYNTHETIC_MODEL_NAME:
+            self.model_config = ModelConfig.from_dir(self.model_dir)
+            self.model = SyntheticModel(self.model_config, self.device)
+        else:
+            self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, self.attention)
         mc = self.model_config
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
