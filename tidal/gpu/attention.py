@@ -1,0 +1,199 @@
+"""Paged attention in plain torch: the CPU path, and the fallback on CUDA until the Triton kernels land.
+
+Every call first writes the batch's new K/V rows into the paged cache, then attends:
+
+* decodes (rows ``[0, num_decodes)``) all at once: their blocks are gathered into one padded
+  ``[B, L, Hkv, D]`` tensor and positions past each sequence's length are masked out;
+* prefill chunks one by one (there are few per step): causal attention whose diagonal is
+  shifted by the context already cached (``seq_len - q_len``); a chunk that is the whole
+  sequence uses its fresh K/V directly instead of reading them back from the cache.
+
+All attention goes through ``scaled_dot_product_attention`` with ``enable_gqa=True`` so K/V
+heads are never repeated in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tidal.gpu.forward_batch import ForwardBatch
+
+
+@dataclass
+class _DecodePlan:
+    """Per-batch tensors every layer's decode attention reuses (computed once per forward)."""
+
+    block_ids: torch.Tensor  # [B * blocks_per_seq] int64: the blocks to gather, row-major
+    blocks_per_seq: int
+    mask: torch.Tensor  # [B, 1, 1, L] bool: True where the key position is inside the sequence
+
+
+class TorchPagedAttention:
+    """Paged attention over the ``[num_blocks, block_size, num_kv_heads, head_dim]`` KV cache.
+
+    Stateful only in two harmless ways: it keeps gather buffers between calls (large fresh
+    allocations page-fault on every step, which costs more than the copy itself), and it
+    caches the decode plan of the last ``ForwardBatch`` it saw, so a batch must not be
+    mutated after its first forward.
+    """
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._plan_batch: ForwardBatch | None = None
+        self._plan: _DecodePlan | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store ``key``/``value`` [T, Hkv, D] at ``batch.slot_mapping``, return attention output [T, Hq, D]."""
+        write_kv_cache(key, value, k_cache, v_cache, batch.slot_mapping)
+        num_decodes = batch.num_decodes
+        if batch.num_prefills == 0:
+            if num_decodes == 0:
+                return torch.empty_like(query)
+            return self._decode(query, k_cache, v_cache, batch, scale)
+        out = torch.empty_like(query)
+        if num_decodes:
+            out[:num_decodes] = self._decode(query[:num_decodes], k_cache, v_cache, batch, scale)
+        start = num_decodes
+        for p, (q_len, seq_len) in enumerate(zip(batch.prefill_query_lens, batch.prefill_seq_lens)):
+            end = start + q_len
+            if seq_len == q_len:
+                out[start:end] = _causal_attention(query[start:end], key[start:end], value[start:end], scale)
+            else:
+                out[start:end] = self._prefill_with_context(
+                    query[start:end], k_cache, v_cache, batch.prefill_block_tables[p], seq_len, scale
+                )
+            start = end
+        return out
+
+    # ------------------------------------------------------------------ decode
+
+    def _decode(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
+    ) -> torch.Tensor:
+        plan = self._decode_plan(batch, k_cache.shape[1], query.device)
+        num_seqs = query.shape[0]
+        length = plan.blocks_per_seq * k_cache.shape[1]
+        keys = self._gather("k", k_cache, plan.block_ids).view(num_seqs, length, *k_cache.shape[2:])
+        values = self._gather("v", v_cache, plan.block_ids).view(num_seqs, length, *v_cache.shape[2:])
+        out = F.scaled_dot_product_attention(
+            query.unsqueeze(2),  # [B, Hq, 1, D]
+            keys.transpose(1, 2),  # [B, Hkv, L, D]
+            values.transpose(1, 2),
+            attn_mask=plan.mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)
+
+    def _decode_plan(self, batch: ForwardBatch, block_size: int, device: torch.device) -> _DecodePlan:
+        if self._plan_batch is batch and self._plan is not None:
+            return self._plan
+        blocks_per_seq = -(-batch.decode_max_seq_len // block_size)
+        tables = batch.decode_block_tables[: batch.num_decodes, :blocks_per_seq]
+        length = blocks_per_seq * block_size
+        positions = torch.arange(length, device=device)
+        seq_lens = batch.decode_seq_lens.to(device=device, dtype=torch.int64)
+        mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
+        plan = _DecodePlan(tables.reshape(-1).to(device=device, dtype=torch.int64), blocks_per_seq, mask)
+        self._plan_batch, self._plan = batch, plan
+        return plan
+
+    def _gather(self, name: str, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """``cache[block_ids]`` into a reused buffer (grown when needed)."""
+        count = block_ids.shape[0]
+        buffer = self._buffers.get(name)
+        if (
+            buffer is None
+            or buffer.shape[0] < count
+            or buffer.shape[1:] != cache.shape[1:]
+            or buffer.dtype != cache.dtype
+            or buffer.device != cache.device
+        ):
+            buffer = torch.empty((count, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+            self._buffers[name] = buffer
+        out = buffer[:count]
+        torch.index_select(cache, 0, block_ids, out=out)
+        return out
+
+    # ------------------------------------------------------------------ prefill
+
+    def _prefill_with_context(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_len: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Chunk attending to everything cached before it plus itself (already written to the cache)."""
+        block_size = k_cache.shape[1]
+        num_blocks = -(-seq_len // block_size)
+        block_ids = block_table[:num_blocks].to(device=query.device, dtype=torch.int64)
+        keys = k_cache.index_select(0, block_ids).flatten(0, 1)[:seq_len]  # [S, Hkv, D]
+        values = v_cache.index_select(0, block_ids).flatten(0, 1)[:seq_len]
+        q_len = query.shape[0]
+        # query i sits at position seq_len - q_len + i and sees keys up to and including it
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        key_pos = torch.arange(seq_len, device=query.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)
+
+
+def _causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain causal self-attention of one whole sequence, [T, H, D] in and out."""
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),
+        key.transpose(0, 1).unsqueeze(0),
+        value.transpose(0, 1).unsqueeze(0),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Copy each row's K/V [T, Hkv, D] into its cache slot (slot = block * block_size + offset)."""
+    # .view (not reshape) so a non-contiguous cache fails loudly instead of writing into a copy
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def select_attention_backend(name: str, device: torch.device) -> TorchPagedAttention:
+    """The attention backend for ``EngineConfig.attention_backend`` on ``device``.
+
+    ``"torch"`` and ``"auto"`` give ``TorchPagedAttention`` (``auto`` will pick the Triton
+    kernels on CUDA once they are wired in); ``"triton"`` is not available yet.
+    """
+    if name in ("torch", "auto"):
+        return TorchPagedAttention()
+    if name == "triton":
+        raise NotImplementedError(
+            "attention backend 'triton' is not wired into the engine yet; use 'torch' or 'auto'"
+        )
+    raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch' or 'triton'")

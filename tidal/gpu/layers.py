@@ -1,0 +1,118 @@
+"""Small building blocks of Llama-family models: RMSNorm, rotary embedding, gated MLP.
+
+Parameters are created with ``torch.empty`` (no random init): every weight is loaded
+from a checkpoint right after construction, and initialising a multi-GB model only to
+overwrite it would cost seconds on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T + b`` with uninitialised parameters (filled by ``load_weights``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, cast back before the weight (the Hugging Face convention)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # one fused kernel instead of four elementwise passes; same math in float32
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype, device)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def rotary_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Per-pair rotation frequencies [head_dim // 2] (float32), with linear or llama3 scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        # dividing the frequency == dividing the position
+        return inv_freq / factor
+    if scaling["rope_type"] == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported rope scaling {scaling['rope_type']!r}")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths slowed by ``factor``, short ones kept, a smooth ramp between."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """Rotary position embedding in the "rotate half" layout used by Hugging Face checkpoints.
+
+    cos/sin are computed per forward pass from the batch's positions (once, shared by every
+    layer) instead of from a [max_position_embeddings, head_dim] table, which for 128k-context
+    models would cost hundreds of MB.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None) -> None:
+        self.head_dim = head_dim
+        self._inv_freq_cpu = rotary_inv_freq(head_dim, theta, scaling)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of shape [T, 1, head_dim] for ``positions`` [T] (broadcast over heads)."""
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq[positions.device] = self._inv_freq_cpu.to(positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, H, D] by the angles in cos/sin [T, 1, D]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin

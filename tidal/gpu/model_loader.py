@@ -1,0 +1,73 @@
+"""Find a model directory and load it into tidal's model classes.
+
+tidal loads local Hugging Face directories only (``config.json`` + ``model.safetensors`` or a
+sharded ``model.safetensors.index.json``); there is no hub download. The name
+``tidal-tiny`` is the packaged default model, whose weights are generated on load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+
+from tidal.gpu import tiny_model
+from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.models import LlamaForCausalLM, model_class
+
+TINY_MODEL_NAME = "tidal-tiny"
+
+
+def resolve_model_dir(name: str) -> str:
+    """Map ``EngineConfig.model`` to a directory: ``tidal-tiny`` or a path to an existing directory."""
+    if name in (TINY_MODEL_NAME, "tidal-test"):  # tidal-test: tidal-tiny without a network
+        return tiny_model.asset_dir()
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        return path
+    raise FileNotFoundError(
+        f"no model directory {name!r}; tidal loads local Hugging Face directories only, no hub "
+        f"(or use the built-in {TINY_MODEL_NAME!r})"
+    )
+
+
+def load_model(
+    model_dir: str, dtype: torch.dtype, device: torch.device, attention
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model of ``model_dir`` on ``device`` in ``dtype`` and load its weights."""
+    config = ModelConfig.from_dir(model_dir)
+    model = model_class(config)(config, attention, dtype=dtype, device=device)
+    if tiny_model.has_generated_weights(model_dir, config):
+        weights = tiny_model.generate_weights(config, tiny_model.special_token_ids(model_dir), config.init_seed)
+        model.load_weights(weights.items())
+    else:
+        model.load_weights(iter_safetensors(model_dir))
+    model.eval()
+    return model, config
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint files: the shards listed in the index, or the single ``model.safetensors``."""
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, shard) for shard in shards]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(
+        f"no weights in {model_dir!r}: expected model.safetensors or model.safetensors.index.json"
+    )
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) of every checkpoint tensor, one at a time (CPU, memory-mapped)."""
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

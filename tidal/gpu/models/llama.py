@@ -1,0 +1,203 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over tidal's paged KV cache.
+
+One module covers the four architectures; they differ only in switches of ``ModelConfig``:
+q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), o_proj/MLP bias (Llama options) and tied
+embeddings. q/k/v and gate/up are stored fused so each is one matmul (fewer, larger GEMMs
+are markedly faster on CPU); ``load_weights`` splits Hugging Face's separate tensors into them.
+
+The caller runs ``forward``/``compute_logits`` under ``torch.inference_mode()``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.gpu.forward_batch import ForwardBatch
+from tidal.gpu.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from tidal.gpu.model_config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention of one layer: fused qkv projection, rotary, paged attention, o_proj."""
+
+    def __init__(self, config: ModelConfig, attention, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.attention = attention
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.attention_output_bias, dtype, device)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        out = self.attention.forward(q, k, v, k_cache, v_cache, batch, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, attention, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(config, attention, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
+
+    def forward(self, hidden, cos, sin, kv_cache, batch):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, batch)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and the final norm (named like Hugging Face's ``model.*``)."""
+
+    def __init__(self, config: ModelConfig, attention, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention, dtype, device) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+
+# Hugging Face tensors that tidal stores as a slice of a fused tensor: name -> (fused name, slice index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_FUSED_NAME = re.compile(r"^(model\.layers\.\d+\.(?:self_attn|mlp)\.)(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM whose attention reads and writes tidal's paged KV cache."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = LlamaModel(config, attention, dtype, device)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens
+        return self.lm_head.weight
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Run every layer over the batch's rows; returns final-normed hidden states [T, hidden].
+
+        ``kv_caches[i]`` is layer i's ``(k_cache, v_cache)``, each
+        ``[num_blocks, block_size, num_kv_heads, head_dim]``; the batch's new K/V are written into them.
+        """
+        hidden = F.embedding(batch.input_ids, self.model.embed_tokens)
+        cos, sin = self.rotary.cos_sin(batch.positions, hidden.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, batch)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] of the rows of ``forward``'s output that sample."""
+        return F.linear(hidden_rows, self.lm_head_weight).float()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the parameters (casting to the model dtype).
+
+        Raises ``ValueError`` for an unknown name, a shape mismatch, or (after the last tensor)
+        any parameter that was not fully loaded.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, int | None]] = set()
+        for name, tensor in named_tensors:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # derived from the config, not a weight
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some checkpoints store the tied copy too
+            target, part = _target(name)
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
+            destination = param if part is None else self._fused_slice(param, target, part)
+            if tuple(destination.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
+                )
+            with torch.no_grad():
+                destination.copy_(tensor)
+            loaded.add((target, part))
+        missing = sorted(f"{n}[{p}]" if p is not None else n for n, p in self._expected_parts() - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
+
+    def _fused_slice(self, param: torch.Tensor, target: str, part: int) -> torch.Tensor:
+        if target.endswith("qkv_proj.weight") or target.endswith("qkv_proj.bias"):
+            sizes = (self.config.q_size, self.config.kv_size, self.config.kv_size)
+        else:
+            sizes = (self.config.intermediate_size, self.config.intermediate_size)
+        return param.split(sizes, dim=0)[part]
+
+    def _expected_parts(self) -> set[tuple[str, int | None]]:
+        expected: set[tuple[str, int | None]] = set()
+        for name, _ in self.named_parameters():
+            if ".qkv_proj." in name:
+                expected.update((name, i) for i in range(3))
+            elif ".gate_up_proj." in name:
+                expected.update((name, i) for i in range(2))
+            else:
+                expected.add((name, None))
+        return expected
+
+
+def _target(hf_name: str) -> tuple[str, int | None]:
+    """Map a Hugging Face parameter name to (tidal parameter name, slice of a fused tensor or None)."""
+    match = _FUSED_NAME.match(hf_name)
+    if match:
+        prefix, proj, kind = match.groups()
+        fused, part = _FUSED[proj]
+        return f"{prefix}{fused}.{kind}", part
+    if hf_name == "model.embed_tokens.weight":
+        return "model.embed_tokens", None
+    return hf_name, None
