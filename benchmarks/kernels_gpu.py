@@ -96,9 +96,8 @@ def check_kernels(device: torch.device) -> None:
     query_start_loc = torch.tensor([0, 1, 38, 138], dtype=torch.int32, device=device)
     query = torch.randn(138, NUM_QUERY_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
     args = (query, k_cache, v_cache, paged.block_tables, query_start_loc, paged.seq_lens, HEAD_DIM**-0.5)
-    torch.testing.assert_close(
-        K.paged_prefill_attention(*args, max_query_len=max(query_lens)), K.paged_prefill_attention_reference(*args), **tol
-    )
+    got = K.paged_prefill_attention(*args, max_query_len=max(query_lens))
+    torch.testing.assert_close(got, K.paged_prefill_attention_reference(*args), **tol)
 
     key = torch.randn(3, NUM_KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
     value = torch.randn_like(key)
@@ -273,7 +272,7 @@ def capture_graph(step) -> torch.cuda.CUDAGraph:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernels_gpu: CUDA is not available on this machine; the GPU benchmark needs an NVIDIA GPU. Nothing run.")
+        print("kernels_gpu: CUDA is not available here; this benchmark needs an NVIDIA GPU. Nothing run.")
         return 0
     import tidal.kernels
 
@@ -281,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         print("kernels_gpu: triton is not installed (pip install 'tidal[cuda]').")
         return 1
     device = torch.device("cuda")
-    print(f"device: {torch.cuda.get_device_name(device)}, peak {args.peak_bandwidth / 1e12:.2f} TB/s (--peak-bandwidth)")
+    peak_tb_s = args.peak_bandwidth / 1e12
+    print(f"device: {torch.cuda.get_device_name(device)}, peak {peak_tb_s:.2f} TB/s (--peak-bandwidth)")
     with torch.inference_mode():
         if not args.skip_check:
             check_kernels(device)

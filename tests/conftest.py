@@ -1,6 +1,16 @@
 import os
 import sys
 
+# Without a GPU, Triton kernels can only run in its interpreter, and TRITON_INTERPRET must be
+# set before triton is first imported (transformers may import it early).
+try:
+    import torch  # noqa: F401
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 # tests import helpers (tests/live_server.py, tests/hf_models.py) as top-level modules
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

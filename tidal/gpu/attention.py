@@ -1,4 +1,4 @@
-"""Paged attention in plain torch: the CPU path, and the fallback on CUDA until the Triton kernels land.
+"""Paged attention: plain torch (the CPU path) and the Triton kernels (the CUDA path), chosen in one place.
 
 Every call first writes the batch's new K/V rows into the paged cache, then attends:
 
@@ -184,16 +184,64 @@ def write_kv_cache(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def select_attention_backend(name: str, device: torch.device) -> TorchPagedAttention:
-    """The attention backend for ``EngineConfig.attention_backend`` on ``device``.
+class TritonPagedAttention:
+    """The same contract as ``TorchPagedAttention``, on the Triton kernels of ``tidal.kernels``."""
 
-    ``"torch"`` and ``"auto"`` give ``TorchPagedAttention`` (``auto`` will pick the Triton
-    kernels on CUDA once they are wired in); ``"triton"`` is not available yet.
+    name = "triton"
+
+    def __init__(self) -> None:
+        from tidal import kernels
+
+        self._write = kernels.reshape_and_cache
+        self._decode = kernels.paged_decode_attention
+        self._prefill = kernels.paged_prefill_attention
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        self._write(key, value, k_cache, v_cache, batch.slot_mapping)
+        num_decodes = batch.num_decodes
+        if batch.num_prefills == 0:
+            return self._decode(query, k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens, scale)
+        out = torch.empty_like(query)
+        if num_decodes:
+            out[:num_decodes] = self._decode(query[:num_decodes], k_cache, v_cache, batch.decode_block_tables,
+                                             batch.decode_seq_lens, scale)
+        out[num_decodes:] = self._prefill(
+            query[num_decodes:], k_cache, v_cache, batch.prefill_block_tables, batch.prefill_query_start_loc,
+            batch.prefill_seq_lens_tensor, scale, max_query_len=max(batch.prefill_query_lens))
+        return out
+
+
+def select_attention_backend(name: str, device: torch.device):
+    """The attention backend for ``EngineConfig.attention_backend`` on ``device``: the one place it is chosen.
+
+    ``auto``: the Triton kernels on CUDA (when triton is installed), torch on CPU. ``triton`` on a
+    CPU runs the kernels in Triton's interpreter: correct but thousands of times slower, for
+    checking the kernels end to end without a GPU.
     """
-    if name in ("torch", "auto"):
+    from tidal.kernels import HAS_TRITON
+
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and HAS_TRITON else "torch"
+    if name == "torch":
         return TorchPagedAttention()
     if name == "triton":
-        raise NotImplementedError(
-            "attention backend 'triton' is not wired into the engine yet; use 'torch' or 'auto'"
-        )
+        if not HAS_TRITON:
+            raise ValueError("--attention-backend triton needs triton (pip install 'tidal[cuda]')")
+        if device.type == "cpu":
+            import os
+            import sys
+
+            if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError("--attention-backend triton on CPU needs TRITON_INTERPRET=1 before triton loads")
+            os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, at first use
+        return TritonPagedAttention()
     raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch' or 'triton'")
