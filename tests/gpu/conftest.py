@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from tests.hf_models import make_hf_model
+from hf_models import make_hf_model
 
 
 @pytest.fixture(scope="session")
 def hf_model_dir(tmp_path_factory):
     """``hf_model_dir(arch, seed=0, **config_overrides) -> str``: a cached tiny model directory.
 
-    Built with ``tests.hf_models.make_hf_model``; the same arguments give the same directory,
+    Built with ``hf_models.make_hf_model``; the same arguments give the same directory,
     so tests must not modify it (copy it first).
     """
     built: dict[str, str] = {}

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from tests.hf_models import hf_greedy, load_hf_model
+from hf_models import hf_greedy, load_hf_model
 from tidal.gpu import tiny_model
 from tidal.gpu.attention import TorchPagedAttention, select_attention_backend
 from tidal.gpu.forward_batch import ForwardBatch
@@ -201,6 +201,27 @@ def test_decode_ignores_stale_cache_beyond_sequence_length(hf_dirs):
 # ------------------------------------------------------------------ config and loading
 
 
+def test_sharded_checkpoint_loads_the_same_weights(hf_dirs, tmp_path):
+    model_dir = hf_dirs("qwen2")
+    load_hf_model(model_dir).save_pretrained(tmp_path, max_shard_size="200KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    single, _ = load(model_dir)
+    sharded, _ = load(str(tmp_path))
+    for (name, a), (_, b) in zip(single.state_dict().items(), sharded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_checkpoint_missing_a_tensor_is_an_error(hf_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = shutil.copytree(hf_dirs("llama"), tmp_path / "m")
+    tensors = load_file(model_dir / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, model_dir / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing 1 tensors.*layers\.1\.self_attn\.qkv_proj\.weight\[1\]"):
+        load(str(model_dir))
+
+
 def test_unsupported_architecture_is_rejected_clearly(tmp_path):
     (tmp_path / "config.json").write_text(
         json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 10})
@@ -218,7 +239,7 @@ def test_unsupported_rope_scaling_is_rejected(hf_dirs, tmp_path):
         ModelConfig.from_dir(model_dir)
 
 
-def test_config_reads_eos_from_both_files(hf_dirs, tmp_path):
+def test_config_reads_eos_from_both_files(hf_dirs):
     config = ModelConfig.from_dir(resolve_model_dir("tidal-tiny"))
     assert config.eos_token_ids == (1, 6)
     assert config.bos_token_id == 0
@@ -235,10 +256,11 @@ def test_resolve_model_dir(tmp_path):
 
 
 def test_attention_backend_selection():
-    assert isinstance(select_attention_backend("auto", torch.device("cpu")), TorchPagedAttention)
-    assert isinstance(select_attention_backend("torch", torch.device("cpu")), TorchPagedAttention)
-    with pytest.raises(NotImplementedError, match="triton"):
-        select_attention_backend("triton", torch.device("cpu"))
+    cpu = torch.device("cpu")
+    assert isinstance(select_attention_backend("auto", cpu), TorchPagedAttention)
+    assert isinstance(select_attention_backend("torch", cpu), TorchPagedAttention)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_attention_backend("flash", cpu)
 
 
 # ------------------------------------------------------------------ tidal-tiny

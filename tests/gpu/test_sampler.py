@@ -122,6 +122,24 @@ def test_filters_combine_and_every_row_uses_its_own_settings():
             assert got == kept
 
 
+def test_top_p_nucleus_wider_than_the_first_candidate_search():
+    # ~300 near-equal tokens hold half the mass: more than the sampler's first topk width
+    vocab, n = 4096, 2000
+    order = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
+    row = torch.full((vocab,), -5.0)
+    row[order[:600]] = 5.0 - 0.0002 * torch.arange(600)
+    kept = kept_by_hf(row, TopPLogitsWarper(0.5))
+    assert 280 < len(kept) < 320
+    torch.manual_seed(3)
+    batch = row.repeat(n + 1, 1)
+    tokens = sample(batch, [params(top_k=20)] + [params(top_p=0.5)] * n)
+    assert tokens[0] in set(order[:20].tolist())
+    got = set(tokens[1:])
+    assert got <= kept
+    rank = {token: r for r, token in enumerate(order.tolist())}
+    assert max(rank[t] for t in got) > 270  # the tail of the nucleus is reachable
+
+
 def test_min_p_drops_tokens_below_the_fraction_of_the_top_probability():
     row = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
     assert set(draws(row, params(min_p=0.2))) == {0, 1, 2}  # 0.05 < 0.2 * 0.5

@@ -14,15 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _empty_parameter(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
 class Linear(nn.Module):
     """``y = x @ W.T + b`` with uninitialised parameters (filled by ``load_weights``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
-        self.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
-        )
+        self.weight = _empty_parameter((out_features, in_features), dtype, device)
+        self.bias = _empty_parameter((out_features,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -33,7 +35,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
+        self.weight = _empty_parameter((size,), dtype, device)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -88,7 +88,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention, dtype, device) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attention, dtype, device) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
 
@@ -100,7 +102,9 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-_FUSED_NAME = re.compile(r"^(model\.layers\.\d+\.(?:self_attn|mlp)\.)(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+_FUSED_NAME = re.compile(
+    r"^(model\.layers\.\d+\.(?:self_attn|mlp)\.)(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$"
+)
 
 
 class LlamaForCausalLM(nn.Module):
