@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -58,8 +59,13 @@ class Api:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
-    async def prepare(self, kind: str, body: bytes | dict) -> tuple[ActiveRequest, Any, Any]:
-        """Parse, validate, tokenise, admit and wait for the first output. Raises ApiError."""
+    async def prepare(self, kind: str, body: bytes | dict,
+                      on_open: Callable[[ActiveRequest], None] | None = None) -> tuple[ActiveRequest, Any, Any]:
+        """Parse, validate, tokenise, admit and wait for the first output. Raises ApiError.
+
+        ``on_open`` gets the request as soon as it is admitted, so a caller that is cancelled
+        while it waits in the queue can still close it (the WebSocket ``cancel``).
+        """
         parsed = parse_body(kind, body)  # type: ignore[arg-type]
         if parsed.model is not None and parsed.model != self.model_name:
             raise ApiError(404, f"The model `{parsed.model}` does not exist.", "not_found_error", "model",
@@ -77,6 +83,8 @@ class Api:
                 prompt_ids = list(prompt)
         params = fit_max_tokens(checked, len(prompt_ids), self.max_model_len)
         active = self.frontend.open_request(prompt_ids, params, checked.priority)
+        if on_open is not None:
+            on_open(active)
         first = await self.frontend.first_output(active)
         return active, first, checked
 
@@ -99,7 +107,10 @@ class Api:
             self.frontend.close(active)
 
 
-def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_render, health_check) -> QuartTrio:
+def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_render, health_check,
+               max_ws_requests: int = 64) -> QuartTrio:
+    from tidal.websocket import register_websocket
+
     app = QuartTrio("tidal")
     app.config["RESPONSE_TIMEOUT"] = None  # SSE streams may run for minutes
     app.config["BODY_TIMEOUT"] = 60
@@ -145,6 +156,8 @@ def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_rende
     @app.get("/metrics")
     async def metrics():
         return Response(metrics_render(), 200, {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    register_websocket(app, api, max_ws_requests, api_key)
 
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException):

@@ -69,6 +69,8 @@ def request_scope_middleware(app, frontend_getter):
             return await app(scope, receive, send)
         opened: list[ActiveRequest] = []
         token = _scope.set(opened)
+        if scope["type"] == "http":
+            send = _shield_final_send(send)
         try:
             await app(scope, receive, send)
         finally:
@@ -78,6 +80,25 @@ def request_scope_middleware(app, frontend_getter):
                 frontend.close(request, "client_disconnect")
 
     return asgi
+
+
+def _shield_final_send(send):
+    """Send a response's last message shielded from cancellation.
+
+    When a response is answered before its request body was read (401, 404, 405, 413),
+    hypercorn closes the connection from inside this send; quart-trio cancels the task as
+    soon as its body reader sees the disconnect, which interrupted that close half-way and
+    left the connection open and silent: the client's next request on it hung forever.
+    (hypercorn already shields the socket write itself, so this adds no new blocking.)
+    """
+
+    async def shielded(message):
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            with trio.CancelScope(shield=True):
+                return await send(message)
+        return await send(message)
+
+    return shielded
 
 
 # ------------------------------------------------------------------ the registry
@@ -175,6 +196,7 @@ class Frontend:
             try:
                 return await request.mailbox.take()
             except EngineDead as exc:
+                self.abort(request, "engine_error")  # else its scope counts it as a client disconnect
                 raise engine_unavailable(str(exc)) from None
             finally:
                 request.queue_scope = None

@@ -10,6 +10,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+ABORT_REASONS = ("client_disconnect", "client_cancel", "slow_client", "shutdown", "engine_error")
+REJECT_REASONS = ("queue_full", "queue_timeout", "preempted_by_priority", "shutdown")
+FINISH_REASONS = ("stop", "length")  # aborted requests are counted in requests_aborted
 
 
 class Metrics:
@@ -52,6 +55,14 @@ class Metrics:
         self.finished = Counter("tidal:requests_finished", "Requests finished, by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         m = model_name
+        # Export every known label value from the start (at 0), so the series exist before the
+        # first abort or rejection and rate() over them works.
+        for reason in ABORT_REASONS:
+            self.aborted.labels(m, reason)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(m, reason)
+        for reason in FINISH_REASONS:
+            self.finished.labels(m, reason)
         self.ttft_m = self.ttft.labels(m)
         self.itl_m = self.itl.labels(m)
         self.e2e_m = self.e2e.labels(m)

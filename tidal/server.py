@@ -25,6 +25,7 @@ import hypercorn.trio
 import trio
 
 from tidal.api import Api, create_app
+from tidal import fast_send
 from tidal.config import ServerConfig
 from tidal.engine_client import EngineClient, EngineDead, channel_capacity
 from tidal.frontend import Frontend, request_scope_middleware
@@ -65,8 +66,9 @@ class Server:
             api = Api(frontend, tokenizer, cfg.model_name, ready.max_model_len, ready.vocab_size)
             app = create_app(api, cfg.api_key, cfg.max_request_body_bytes,
                              lambda: self.metrics.render(self.engine.stats, len(frontend.active)),
-                             self._health_check)
+                             self._health_check, cfg.max_ws_requests_per_connection)
             asgi = request_scope_middleware(app, lambda: frontend)
+            fast_send.install()
             hconfig = hypercorn.config.Config()
             hconfig.bind = [f"{cfg.host}:{cfg.port}"]
             hconfig.graceful_timeout = 2.0
@@ -140,6 +142,9 @@ async def serve(config: ServerConfig) -> int:
                 await server.run()
                 nursery.cancel_scope.cancel()
     except* EngineDead as group:
-        log.error("exiting: %s", group.exceptions[0])
+        why: BaseException = group
+        while isinstance(why, BaseExceptionGroup):  # nested nurseries nest the groups
+            why = why.exceptions[0]
+        log.error("exiting: %s", why)
         exit_code = 3
     return exit_code

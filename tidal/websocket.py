@@ -105,12 +105,12 @@ class Connection:
     async def stream(self, rid: Any, kind: str, body: dict[str, Any], scope: trio.CancelScope) -> None:
         api = self.api
         id_json = _encode(rid)
-        active = None
+        opened: list = []  # the request once admitted, even if "cancel" comes while it is queued
         try:
             with scope:
                 body = {**body, "stream": True}
                 try:
-                    active, first, checked = await api.prepare(kind, body)
+                    active, first, checked = await api.prepare(kind, body, opened.append)
                 except ApiError as error:
                     await self.send(_error_message(rid, error))
                     return
@@ -128,12 +128,13 @@ class Connection:
                         continue
                     await self.send((prefix + encoder.chunk_json(text, finish) + b"}").decode())
                 await self.send(_encode({"type": "done", "id": rid, "usage": reader.usage()}).decode())
-            if scope.cancelled_caught and active is not None:  # the client sent "cancel"
-                api.frontend.close(active, "client_cancel")
+            if scope.cancelled_caught:  # the client sent "cancel"
+                if opened:
+                    api.frontend.close(opened[0], "client_cancel")
                 await self.send(_encode({"type": "done", "id": rid, "usage": None, "cancelled": True}).decode())
         except ApiError as error:  # the request ended early (slow client, engine failure)
             await self.send(_error_message(rid, error))
         finally:
             self.streams.pop(rid, None)
-            if active is not None:
-                api.frontend.close(active, "client_disconnect")
+            if opened:
+                api.frontend.close(opened[0], "client_disconnect")

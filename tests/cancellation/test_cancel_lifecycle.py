@@ -1,0 +1,104 @@
+"""The frontend's request state table and ``Frontend.close``, without a server.
+
+The table (tidal/lifecycle.py) is what makes an abort idempotent: a request ends exactly
+once, and every later ``close``/``abort`` sees a final state and does nothing. ``close``
+is called from already-cancelled code (a disconnected handler's cleanup), so it must get
+the abort to the engine without awaiting anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import trio
+
+from tidal.config import ServerConfig
+from tidal.engine_client import EngineClient
+from tidal.frontend import Frontend
+from tidal.lifecycle import ActiveRequest, IllegalTransition, RequestState
+from tidal.mailbox import Mailbox
+from tidal.metrics import Metrics
+from tidal.wire import AbortRequests, AddRequest, EngineConfig, EngineStats, RequestOutput, SamplingParams, StepReport
+
+Q, RUN, FIN, ABT, REJ = (RequestState.QUEUED, RequestState.RUNNING, RequestState.FINISHED, RequestState.ABORTED,
+                         RequestState.REJECTED)
+# The documented lifecycle (tidal/lifecycle.py); every other move is a bug in the caller.
+LEGAL = {(Q, RUN), (Q, FIN), (Q, ABT), (Q, REJ), (RUN, FIN), (RUN, ABT)}
+
+
+def _request(state: RequestState) -> ActiveRequest:
+    return ActiveRequest(request_id=1, priority=0, arrival_time=0.0, arrival_order=1, num_prompt_tokens=3,
+                         params=SamplingParams(max_tokens=4), mailbox=Mailbox(1 << 10), state=state)
+
+
+@pytest.mark.parametrize(("old", "new"), list(itertools.product(RequestState, repeat=2)),
+                         ids=lambda s: s.value)
+async def test_transition_table(old, new):
+    request = _request(old)
+    if (old, new) in LEGAL:
+        request.move_to(new)
+        assert request.state is new
+    else:
+        with pytest.raises(IllegalTransition):
+            request.move_to(new)
+        assert request.state is old  # a refused move changes nothing
+
+
+async def test_final_states_are_exactly_the_ends():
+    assert {s for s in RequestState if _request(s).is_final} == {FIN, ABT, REJ}
+
+
+# ------------------------------------------------------------------ Frontend.close
+
+
+def _frontend() -> tuple[Frontend, EngineClient]:
+    config = ServerConfig(engine=EngineConfig(model="tidal-tiny"))
+    engine = EngineClient(config.engine, channel_capacity=64)
+    engine.ready = object()  # type: ignore[assignment]  # healthy; no process: messages stay in the channel
+    return Frontend(config, engine, Metrics("tidal-tiny"), max_num_seqs=4), engine
+
+
+def _sent(engine: EngineClient) -> list:
+    """What the writer task would send to the engine next."""
+    messages = []
+    while True:
+        try:
+            messages.append(engine._receive.receive_nowait())
+        except trio.WouldBlock:
+            return messages
+
+
+def _aborts(frontend: Frontend, reason: str) -> float:
+    return frontend.metrics.registry.get_sample_value(
+        "tidal:requests_aborted_total", {"model_name": "tidal-tiny", "reason": reason}) or 0.0
+
+
+async def test_close_from_a_cancelled_scope_reaches_the_engine_once():
+    frontend, engine = _frontend()
+    request = frontend.open_request([1, 2, 3], SamplingParams(max_tokens=4), 0)
+    assert [type(m) for m in _sent(engine)] == [AddRequest]
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await trio.sleep_forever()
+        finally:  # what a disconnected handler's cleanup runs: already cancelled, no await
+            frontend.close(request)
+            frontend.close(request)
+    assert _sent(engine) == [AbortRequests([request.request_id])]
+    assert request.state is ABT and not frontend.active
+    assert _aborts(frontend, "client_disconnect") == 1
+
+
+async def test_close_after_the_engine_finished_is_a_noop():
+    frontend, engine = _frontend()
+    request = frontend.open_request([1, 2, 3], SamplingParams(max_tokens=1), 0)
+    rid = request.request_id
+    _sent(engine)
+    engine._handle(StepReport(started=[rid], outputs=[RequestOutput(rid, [7], "x", "length")], finished=[rid],
+                              stats=EngineStats()))
+    assert request.state is FIN
+    frontend.close(request)
+    assert _sent(engine) == []  # the engine already forgot it: nothing to abort
+    assert _aborts(frontend, "client_disconnect") == 0
+    assert not frontend.active
