@@ -137,6 +137,10 @@ class EngineClient:
         if the engine exits, hangs or fails on its own.
         """
         env = dict(os.environ)
+        # The engine shares the machine with this process. OpenMP threads that spin at their
+        # barriers while a sibling is descheduled turn a 0.4 ms matmul into 6 ms on a busy
+        # 2-core box (docs/performance.md); sleeping threads cost far less.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         process = await trio.lowlevel.open_process(
             [sys.executable, "-m", "tidal.gpu"],
             stdin=subprocess.PIPE,
