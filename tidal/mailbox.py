@@ -70,9 +70,11 @@ class Mailbox:
 
         Always a checkpoint. Cancellation leaves the pending output in place.
         """
-        await trio.lowlevel.checkpoint()
-        while self._pending is None:
-            if self._closed_reason is not None:
-                raise self._closed_reason
-            await self._lot.park()
+        if self._pending is None:
+            while self._pending is None:  # parking is the checkpoint
+                if self._closed_reason is not None:
+                    raise self._closed_reason
+                await self._lot.park()
+        else:
+            await trio.lowlevel.checkpoint()  # a backlog is waiting: still yield once
         return self.take_nowait()  # type: ignore[return-value]
