@@ -123,9 +123,19 @@ def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_rende
             return None
         header = request.headers.get("Authorization", "")
         if not hmac.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
+            await discard_body()
             return error_response(ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
                                            "authentication_error", None, "invalid_api_key"))
         return None
+
+    async def discard_body() -> None:
+        # Answering before the body is read makes hypercorn close the connection, and a client
+        # that reuses it at that moment sees "server disconnected": read it (bounded by the
+        # body limit) so the connection stays usable.
+        try:
+            await request.get_data(cache=False)
+        except HTTPException:
+            pass  # over the limit: the connection is closed instead
 
     async def body_bytes() -> bytes:
         return await request.get_data(cache=False)
@@ -162,6 +172,8 @@ def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_rende
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException):
         status = error.code or 500
+        if status != 413:
+            await discard_body()
         message = {413: f"Request body too large (the limit is {max_body_bytes} bytes)."}.get(
             status, error.description or error.name)
         return error_response(ApiError(status, message, _HTTP_ERROR_TYPES.get(status, "invalid_request_error")))

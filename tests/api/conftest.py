@@ -1,0 +1,36 @@
+"""Two live ``tidal serve`` processes shared by every module in tests/api (package scope).
+
+``api_server``: the conformance server. It requires an API key, serves the model under another
+name, and has small limits the error tests run into (64-token context, 1000-byte bodies, two
+concurrent requests per WebSocket connection).
+
+``ws_server``: slow, deterministic steps (every forward pass lasts >= 50 ms) and room for exactly
+three running plus one queued request, so WebSocket tests can act mid-stream and fill the queue.
+"""
+
+from __future__ import annotations
+
+import pytest
+from live_server import LiveServer
+
+from .support import API_KEY, MAX_BODY_BYTES, MAX_MODEL_LEN, SERVED_MODEL
+
+WS_STEP_TIME = 0.05
+WS_MAX_NUM_SEQS = 3
+WS_MAX_QUEUED = 1
+
+
+@pytest.fixture(scope="package")
+def api_server():
+    with LiveServer("--api-key", API_KEY, "--served-model-name", SERVED_MODEL,
+                    "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "128",
+                    "--max-request-body-bytes", str(MAX_BODY_BYTES),
+                    "--max-ws-requests-per-connection", "2") as server:
+        yield server
+
+
+@pytest.fixture(scope="package")
+def ws_server():
+    with LiveServer("--min-step-time", str(WS_STEP_TIME), "--max-num-seqs", str(WS_MAX_NUM_SEQS),
+                    "--max-queued-requests", str(WS_MAX_QUEUED), "--num-kv-blocks", "128") as server:
+        yield server
