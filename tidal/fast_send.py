@@ -3,12 +3,10 @@
 hypercorn's ``TCPServer.protocol_send`` takes a trio.Lock, opens a shielded cancel scope and
 goes through trio's ``send_all`` (conflict detector, checkpoints, wait_writable) for every
 chunk: about 33 us per SSE frame on this stack (see docs/performance.md), more than the
-rest of a token's frontend cost together. When no other send is in progress on the
-connection, this wrapper first offers the bytes to the kernel directly with one
-non-blocking ``send``; only what the socket buffer cannot take (a slow client) goes through
-hypercorn's original path, which then waits for the socket as before. Ordering is kept: the
-shortcut is taken only while the connection's send lock is free, and it never awaits, so no
-other send can interleave with it.
+rest of a token's frontend cost together. This wrapper offers the bytes to the kernel directly with a
+non-blocking ``send``, under the connection's send lock (uncontended in the common case, so
+acquiring it does not wait) to keep writes in order; only when the socket buffer is full (a
+slow client) does it wait for the socket, and that wait, unlike hypercorn's, can be cancelled.
 
 The streaming loop still checkpoints once per frame (``Mailbox.take``), so a task whose
 client vanished cannot spin (stack-probe pitfall P3). TLS connections and anything but raw
@@ -19,6 +17,9 @@ leaves the original in place.
 from __future__ import annotations
 
 import logging
+import socket
+
+import trio
 
 log = logging.getLogger("tidal.fast_send")
 
@@ -31,28 +32,54 @@ def install() -> bool:
     if _installed:
         return True
     try:
-        from hypercorn.events import RawData
+        from hypercorn.events import Closed, RawData
         from hypercorn.trio.tcp_server import TCPServer
     except ImportError:  # pragma: no cover - hypercorn without its trio worker
         return False
     original = TCPServer.protocol_send
 
     async def protocol_send(self, event) -> None:
-        if type(event) is RawData and not self.send_lock.locked():
+        if type(event) is RawData:
             raw = getattr(getattr(self.stream, "socket", None), "_sock", None)  # plain TCP only
             if raw is not None:
-                data = event.data
+                lock = self.send_lock  # keeps writes in order; uncontended, taking it costs nothing
                 try:
-                    sent = raw.send(data)
-                except BlockingIOError:
-                    sent = 0
-                except OSError:
-                    sent = 0  # broken: let hypercorn's path raise and close the connection
-                if sent == len(data):
-                    return
-                if sent:
-                    event = RawData(data[sent:])
+                    lock.acquire_nowait()
+                except trio.WouldBlock:
+                    await lock.acquire()
+                try:
+                    await _send_all(self, raw, event.data)
+                finally:
+                    lock.release()
+                return
         await original(self, event)
+
+    async def _send_all(self, raw, data: bytes) -> None:
+        """Write ``data``; wait for the socket (cancellably) only if the kernel buffer is full.
+
+        hypercorn shields this wait, so a client that stops reading would pin its task, and
+        with it server shutdown, forever. Here a cancellation (shutdown, the client's request
+        scope) interrupts the wait; the connection is then cut, because a frame may be half
+        written and the stream can no longer be continued.
+        """
+        view = memoryview(data)
+        try:
+            while True:
+                try:
+                    view = view[raw.send(view):]
+                except BlockingIOError:
+                    pass
+                if not view:
+                    return
+                await trio.lowlevel.wait_writable(raw)
+        except OSError:
+            await self.protocol.handle(Closed())  # the peer is gone
+        except BaseException:
+            try:
+                raw.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            raise
 
     TCPServer.protocol_send = protocol_send
     _install_chunk_framing()

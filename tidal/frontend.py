@@ -194,7 +194,9 @@ class Frontend:
                 scope.deadline = request.arrival_time + wait
             request.queue_scope = scope
             try:
-                return await request.mailbox.take()
+                first = await request.mailbox.take()
+                self.note_backlog(request)
+                return first
             except EngineDead as exc:
                 self.abort(request, "engine_error")  # else its scope counts it as a client disconnect
                 raise engine_unavailable(str(exc)) from None
