@@ -36,6 +36,7 @@ log = logging.getLogger("tidal.engine")
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        torch.manual_seed(config.seed)  # unseeded requests draw from the global generator
         self.runner = ModelRunner(config)
         self.tokenizer = Tokenizer.from_file(os.path.join(self.runner.model_dir, "tokenizer.json"))
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
