@@ -2,8 +2,10 @@
 
 Every call first writes the batch's new K/V rows into the paged cache, then attends:
 
-* decodes (rows ``[0, num_decodes)``) all at once: their blocks are gathered into one padded
-  ``[B, L, Hkv, D]`` tensor and positions past each sequence's length are masked out;
+* decodes (rows ``[0, num_decodes)``) all at once: on CPU by a small C++ kernel
+  (``tidal/gpu/cpu_kernels.py``) that reads K/V straight through the block tables; otherwise
+  their blocks are gathered into one padded ``[B, L, Hkv, D]`` tensor and positions past each
+  sequence's length are masked out;
 * prefill chunks one by one (there are few per step): causal attention whose diagonal is
   shifted by the context already cached (``seq_len - q_len``); a chunk that is the whole
   sequence uses its fresh K/V directly instead of reading them back from the cache.
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tidal.gpu.cpu_kernels import load_decode_kernel
 from tidal.gpu.forward_batch import ForwardBatch
 
 
@@ -42,10 +45,12 @@ class TorchPagedAttention:
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
         self._plan_batch: ForwardBatch | None = None
         self._plan: _DecodePlan | None = None
         self._buffers: dict[str, torch.Tensor] = {}
+        # built (or loaded from cache) here, at model load, never in the hot path; None: gather + SDPA
+        self._cpu_decode = load_decode_kernel() if torch.device(device).type == "cpu" else None
 
     def forward(
         self,
@@ -84,6 +89,15 @@ class TorchPagedAttention:
     def _decode(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
     ) -> torch.Tensor:
+        if (
+            self._cpu_decode is not None
+            and query.device.type == "cpu"
+            and query.dtype == k_cache.dtype
+            and query.dtype in (torch.float32, torch.bfloat16)
+        ):
+            num_seqs = query.shape[0]
+            return self._cpu_decode(query, k_cache, v_cache, batch.decode_block_tables[:num_seqs],
+                                    batch.decode_seq_lens[:num_seqs], scale)
         plan = self._decode_plan(batch, k_cache.shape[1], query.device)
         num_seqs = query.shape[0]
         length = plan.blocks_per_seq * k_cache.shape[1]
@@ -232,7 +246,7 @@ def select_attention_backend(name: str, device: torch.device):
     if name == "auto":
         name = "triton" if device.type == "cuda" and HAS_TRITON else "torch"
     if name == "torch":
-        return TorchPagedAttention()
+        return TorchPagedAttention(device)
     if name == "triton":
         if not HAS_TRITON:
             raise ValueError("--attention-backend triton needs triton (pip install 'tidal[cuda]')")

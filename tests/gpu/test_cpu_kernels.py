@@ -1,0 +1,164 @@
+"""The C++ CPU decode attention computes what the torch path (gather + SDPA) and a dense
+reference compute, over ragged lengths, GQA ratios, head dims, block sizes, shuffled block ids and
+garbage in every cache slot no sequence owns."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tidal.gpu import cpu_kernels
+from tidal.gpu.attention import TorchPagedAttention
+from tidal.gpu.forward_batch import ForwardBatch
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    loaded = cpu_kernels.load_decode_kernel()
+    if loaded is None:
+        pytest.skip("the C++ kernel could not be built here (TIDAL_CPU_KERNELS=0 or no working compiler; "
+                    "see the logged warning)")
+    return loaded
+
+
+def make_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0, garbage=1e3):
+    """A paged cache holding each sequence's K/V in shuffled blocks, every other slot full of ``garbage``."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks no one owns
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, garbage, dtype=dtype)
+    v_cache = torch.full(shape, garbage, dtype=dtype)
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_seq) + 1  # padded table: the tail entries name block 0, never read
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    dense = []
+    for s, n in enumerate(seq_lens):
+        k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        for b in range(blocks_per_seq[s]):
+            block = ids.pop()
+            tables[s, b] = block
+            rows = slice(b * block_size, min(n, (b + 1) * block_size))
+            k_cache[block, : rows.stop - rows.start] = k[rows]
+            v_cache[block, : rows.stop - rows.start] = v[rows]
+        dense.append((k, v))
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
+    return query, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), dense
+
+
+def dense_reference(query, dense, scale):
+    """Plain softmax attention per sequence in float64, query head h on kv head h // group."""
+    outs = []
+    group = query.shape[1] // dense[0][0].shape[1]
+    for q, (k, v) in zip(query.double(), dense):
+        k = k.double().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v.double().repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,lhd->hl", q, k) * scale, dim=-1)
+        outs.append(torch.einsum("hl,lhd->hd", weights, v))
+    return torch.stack(outs)
+
+
+def torch_path(query, k_cache, v_cache, tables, seq_lens, scale):
+    attention = TorchPagedAttention()
+    attention._cpu_decode = None  # force the gather + SDPA path the kernel replaces
+    batch = ForwardBatch(
+        input_ids=torch.zeros(len(seq_lens), dtype=torch.int64), positions=torch.zeros(0), slot_mapping=torch.zeros(0),
+        num_decodes=len(seq_lens), decode_block_tables=tables, decode_seq_lens=seq_lens,
+        decode_max_seq_len=int(seq_lens.max()), prefill_query_lens=[], prefill_seq_lens=[],
+        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32), prefill_seq_lens_tensor=torch.zeros(0),
+        prefill_block_tables=torch.zeros(0, 1, dtype=torch.int32), logits_indices=torch.zeros(0, dtype=torch.int64))
+    return attention._decode(query, k_cache, v_cache, batch, scale)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_matches_torch_path_and_dense_reference(kernel, group, head_dim, block_size):
+    seq_lens = [1, block_size, block_size + 1, 2 * block_size - 1, 3 * block_size, 77, 200]
+    num_kv_heads = 2
+    case = make_case(seq_lens, num_kv_heads * group, num_kv_heads, head_dim, block_size, seed=group * head_dim)
+    query, k_cache, v_cache, tables, lens, dense = case
+    scale = head_dim**-0.5
+    out = kernel(query, k_cache, v_cache, tables, lens, scale)
+    assert out.shape == query.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, torch_path(query, k_cache, v_cache, tables, lens, scale), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), dense_reference(query, dense, scale), rtol=1e-5, atol=1e-5)
+
+
+def test_never_reads_slots_outside_the_sequence(kernel):
+    # NaN in every unowned slot (tails of last blocks, spare blocks): one read would poison the output
+    query, k_cache, v_cache, tables, lens, dense = make_case([5, 16, 40], 8, 2, 64, 16, garbage=float("nan"))
+    out = kernel(query, k_cache, v_cache, tables, lens, 0.125)
+    torch.testing.assert_close(out.double(), dense_reference(query, dense, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_large_scores_stay_finite(kernel):
+    # scores in the hundreds: softmax must subtract the max, not overflow exp
+    query, k_cache, v_cache, tables, lens, dense = make_case([33, 300], 4, 2, 64, 16, seed=3)
+    out = kernel(query * 30, k_cache, v_cache, tables, lens, 1.0)
+    torch.testing.assert_close(out.double(), dense_reference(query * 30, dense, 1.0), rtol=1e-5, atol=1e-5)
+
+
+def test_strided_query_and_partial_table(kernel):
+    # the engine passes a row slice of its block tables and a query view taken out of a fused projection
+    query, k_cache, v_cache, tables, lens, dense = make_case([20, 50, 9], 4, 2, 64, 16, seed=5)
+    fused = torch.cat([query, torch.randn_like(query)], dim=1)  # [B, 2 * Hq, D]: query is a strided view
+    wide = torch.cat([tables, torch.zeros_like(tables)], dim=1)
+    out = kernel(fused[:, :4], k_cache, v_cache, wide, lens, 0.125)
+    torch.testing.assert_close(out.double(), dense_reference(query, dense, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_cache(kernel):
+    query, k_cache, v_cache, tables, lens, dense = make_case([1, 31, 64, 130], 8, 2, 128, 32, torch.bfloat16)
+    out = kernel(query, k_cache, v_cache, tables, lens, 128**-0.5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), dense_reference(query, dense, 128**-0.5), rtol=1e-2, atol=1e-2)
+
+
+def test_result_does_not_depend_on_thread_count(kernel):
+    case = make_case([3, 17, 64, 100, 250, 1] * 4, 4, 2, 64, 16, seed=7)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = kernel(*case[:5], 0.125)
+        torch.set_num_threads(max(2, os.cpu_count() or 2))
+        multi = kernel(*case[:5], 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, multi)
+
+
+def test_rejects_block_ids_outside_the_cache(kernel):
+    query, k_cache, v_cache, tables, lens, _ = make_case([20, 5], 4, 2, 64, 16)
+    bad = tables.clone()
+    bad[0, 1] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernel(query, k_cache, v_cache, bad, lens, 0.125)
+    with pytest.raises(RuntimeError, match="length"):
+        kernel(query, k_cache, v_cache, tables, torch.tensor([20, 0], dtype=torch.int32), 0.125)
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("TIDAL_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setattr(cpu_kernels, "_kernel", None)
+    assert cpu_kernels.load_decode_kernel() is None
+    assert TorchPagedAttention()._cpu_decode is None
+
+
+def test_a_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("#error this source does not compile\n")
+    monkeypatch.setenv("TIDAL_CPU_KERNELS", "1")
+    monkeypatch.setattr(cpu_kernels, "_SOURCE", broken)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))  # keep the real build's cache clean
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setattr(cpu_kernels, "_kernel", None)
+    with caplog.at_level("WARNING", logger="tidal.gpu.cpu_kernels"):
+        assert cpu_kernels.load_decode_kernel() is None
+        assert cpu_kernels.load_decode_kernel() is None  # not retried
+    warnings = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "does not compile" in warnings[0], warnings  # says why

@@ -1,0 +1,95 @@
+"""C++ CPU kernels, compiled on first use with ``torch.utils.cpp_extension`` and cached.
+
+The only kernel so far is paged decode attention (``csrc/paged_decode.cpp``): one query token per
+sequence, reading K/V straight from the paged cache through the block table. On a CPU it
+replaces a gather of every block into a padded buffer plus a batch of tiny GEMMs, which cost
+several times the arithmetic itself.
+
+The build takes tens of seconds the first time and is cached in torch's extensions directory
+(``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), so later processes only
+load the shared library. ``TIDAL_CPU_KERNELS=0`` turns the kernels off; so does any failure to
+build, after one logged warning: callers then use their plain-torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_lock = threading.Lock()
+_loaded = False  # whether a load was attempted (its result, possibly None, is in _kernel)
+_kernel: Callable | None = None
+
+# The signature of the loaded kernel, for readers (torch.ops objects carry no annotations).
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def load_decode_kernel() -> DecodeKernel | None:
+    """The compiled paged decode attention, or None when disabled or unbuildable.
+
+    ``kernel(query [B, Hq, D], k_cache, v_cache [num_blocks, block_size, Hkv, D], block_tables [B, max_blocks]
+    int32, seq_lens [B] int32, scale) -> [B, Hq, D]``, for float32 or bfloat16 (query and caches alike)
+    CPU tensors. Builds (or loads the cached build) once per process; later calls return the same
+    object. Raises nothing: a failure logs one warning with the reason and returns None.
+    """
+    global _loaded, _kernel
+    if _loaded:
+        return _kernel
+    with _lock:
+        if not _loaded:
+            _kernel = _load()
+            _loaded = True
+    return _kernel
+
+
+def _load() -> DecodeKernel | None:
+    if os.environ.get("TIDAL_CPU_KERNELS", "1") == "0":
+        log.info("CPU kernels disabled by TIDAL_CPU_KERNELS=0")
+        return None
+    started = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+
+        isa, flags = _compile_flags()
+        # the ISA is in the name so machines sharing a cache directory never load each other's build
+        cpp_extension.load(
+            name=f"tidal_paged_decode_{isa}",
+            sources=[str(_SOURCE)],
+            extra_cflags=flags,
+            is_python_module=False,
+            verbose=False,
+        )
+        kernel = torch.ops.tidal_cpu.paged_decode_attention
+    except Exception as exc:  # noqa: BLE001 - any build or load failure means "use the torch path"
+        log.warning("CPU decode attention kernel unavailable, using the torch path: %s: %s",
+                    type(exc).__name__, _reason(str(exc)))
+        return None
+    log.info("CPU decode attention kernel ready in %.1f s", time.perf_counter() - started)
+    return kernel
+
+
+def _reason(message: str) -> str:
+    """The telling line of a build failure: the first compiler error, not ninja's closing summary."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]  # gcc/clang: "file:line:col: error: ..."
+    return errors[0] if errors else (lines[-1] if lines else "(no message)")
+
+
+def _compile_flags() -> tuple[str, list[str]]:
+    """(ISA tag, flags): AVX2+FMA when this CPU has them, else the compiler's portable default."""
+    try:
+        cpu_flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        cpu_flags = set()
+    if {"avx2", "fma"} <= cpu_flags:
+        return "avx2", ["-O3", "-mavx2", "-mfma"]
+    return "generic", ["-O3"]

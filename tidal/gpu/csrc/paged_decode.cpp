@@ -1,0 +1,335 @@
+// Paged decode attention for the CPU: one query token per sequence, K/V read straight from the
+// paged cache through the block table (no gather into a padded buffer).
+//
+// Work is split over (sequence, kv head). Each task loads the G = Hq / Hkv query heads that share
+// its kv head, so every K/V row is read from memory once and used G times. Softmax is two-pass
+// over a per-thread score buffer: scores, then max / exp / sum, then the weighted sum of V rows.
+// Inner loops work on 8-float vectors (GCC vector extensions, so any x86 or ARM target builds it);
+// no intrinsics.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Eight floats as one value (GCC/Clang vector extension): a register on AVX, two on SSE. Keeps
+// accumulators in registers where array loops left them on the stack, without intrinsics.
+typedef float vec8 __attribute__((vector_size(32)));
+typedef int32_t ivec8 __attribute__((vector_size(32)));
+constexpr int64_t kWidth = 8;
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
+inline vec8 splat(float x) { return vec8{x, x, x, x, x, x, x, x}; }
+
+// Lane sum in a fixed tree order (results never depend on thread count or batch layout).
+inline float hsum(vec8 v) {
+  v += __builtin_shuffle(v, ivec8{4, 5, 6, 7, 0, 1, 2, 3});
+  v += __builtin_shuffle(v, ivec8{2, 3, 0, 1, 6, 7, 4, 5});
+  v += __builtin_shuffle(v, ivec8{1, 0, 3, 2, 5, 4, 7, 6});
+  return v[0];
+}
+// Pairwise sums of neighbours: [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7].
+inline vec8 hadd(vec8 a, vec8 b) {
+  return __builtin_shuffle(a, b, ivec8{0, 2, 8, 10, 4, 6, 12, 14}) +
+         __builtin_shuffle(a, b, ivec8{1, 3, 9, 11, 5, 7, 13, 15});
+}
+// The lane sums of eight vectors as one vector, in far fewer shuffles than eight hsum calls.
+inline vec8 hsum8(const vec8* v) {
+  const vec8 lo = hadd(hadd(v[0], v[1]), hadd(v[2], v[3]));  // per 128-bit half: sums of v0..v3
+  const vec8 hi = hadd(hadd(v[4], v[5]), hadd(v[6], v[7]));
+  return __builtin_shuffle(lo, hi, ivec8{0, 1, 2, 3, 8, 9, 10, 11}) +
+         __builtin_shuffle(lo, hi, ivec8{4, 5, 6, 7, 12, 13, 14, 15});
+}
+
+inline vec8 vmax(vec8 a, vec8 b) { return a > b ? a : b; }
+inline float hmax(vec8 v) {
+  v = vmax(v, __builtin_shuffle(v, ivec8{4, 5, 6, 7, 0, 1, 2, 3}));
+  v = vmax(v, __builtin_shuffle(v, ivec8{2, 3, 0, 1, 6, 7, 4, 5}));
+  v = vmax(v, __builtin_shuffle(v, ivec8{1, 0, 3, 2, 5, 4, 7, 6}));
+  return v[0];
+}
+
+// exp(x) for x <= 0, eight at a time, branch-free (std::exp does not vectorise without
+// -ffast-math). Relative error about 2e-7; results below ~1e-38 are not exact but negligible.
+inline vec8 exp_nonpositive(vec8 x) {
+  x = vmax(x, splat(-87.0f));
+  const vec8 shifter = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to the nearest integer
+  const vec8 t = x * 1.44269504088896341f + shifter;
+  const vec8 n = t - shifter;
+  // x - n * ln2 in two parts (Cody-Waite) so the remainder stays exact
+  vec8 r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187045e-06f;
+  // exp(r) on [-ln2/2, ln2/2]: Taylor series to degree 7
+  vec8 p = splat(1.0f / 5040.0f);
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  // 2^n: n sits in t's low mantissa bits; move it (biased) into the exponent field
+  const ivec8 bits = (reinterpret_cast<const ivec8&>(t) - 0x4B400000 + 127) << 23;
+  return p * reinterpret_cast<const vec8&>(bits);
+}
+
+// q . k as eight partial lane sums; two chains hide the FMA latency.
+template <int kDim>
+inline vec8 dot_lanes(const float* q, const float* k, int64_t dim_runtime) {
+  const int64_t dim = kDim > 0 ? kDim : dim_runtime;
+  vec8 even = splat(0.f), odd = splat(0.f);
+  for (int64_t d = 0; d < dim; d += 2 * kWidth) {
+    even += load8(q + d) * load8(k + d);
+    odd += load8(q + d + kWidth) * load8(k + d + kWidth);
+  }
+  return even + odd;
+}
+
+// Ask for the next block's rows while this one is computed: blocks are scattered through the
+// cache, so the hardware prefetcher cannot guess them.
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* first, int64_t rows, int64_t dim, int64_t row_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = reinterpret_cast<const char*>(first + r * row_stride);
+    for (int64_t offset = 0; offset < dim * static_cast<int64_t>(sizeof(scalar_t)); offset += 64)
+      __builtin_prefetch(row + offset);
+  }
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline void from_float(float x, float* out) { *out = x; }
+inline void from_float(float x, c10::BFloat16* out) { *out = c10::BFloat16(x); }
+
+// A block's rows of one kv head as floats: fp32 rows are used in place (stride `row_stride`),
+// others are converted into `scratch` (stride `dim`). Returns the rows; sets their stride.
+inline const float* rows_as_float(const float* rows, int64_t, int64_t, int64_t row_stride, float*, int64_t& stride) {
+  stride = row_stride;
+  return rows;
+}
+inline const float* rows_as_float(const c10::BFloat16* rows, int64_t count, int64_t dim, int64_t row_stride,
+                                  float* scratch, int64_t& stride) {
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t d = 0; d < dim; ++d) scratch[r * dim + d] = to_float(rows[r * row_stride + d]);
+  stride = dim;
+  return scratch;
+}
+
+// One (sequence, kv head): its `group` query heads against the sequence's `seq_len` cached rows.
+// kDim > 0 fixes the head dim at compile time (loops fully unrolled); kDim == 0 takes `dim_runtime`.
+// The head dim is a multiple of 16 (checked by the caller).
+template <typename scalar_t, int kDim>
+void decode_one(const scalar_t* query, int64_t q_stride_b, int64_t q_stride_h, const scalar_t* k_cache,
+                const scalar_t* v_cache, const int32_t* block_table, int64_t seq_len, int64_t block_size,
+                int64_t num_kv_heads, int64_t kv_head, int64_t group, int64_t dim_runtime, float scale, int64_t seq,
+                scalar_t* out, std::vector<float>& buf) {
+  const int64_t dim = kDim > 0 ? kDim : dim_runtime;
+  const int64_t padded_len = (seq_len + kWidth - 1) / kWidth * kWidth;
+  // per-thread scratch: q [G, D], scores [G, padded L], acc [G, D], one converted block [block_size, D]
+  buf.resize(static_cast<size_t>(group * (2 * dim + padded_len) + block_size * dim));
+  float* q = buf.data();
+  float* scores = q + group * dim;
+  float* acc = scores + group * padded_len;
+  float* scratch = acc + group * dim;
+  for (int64_t g = 0; g < group; ++g) {
+    const scalar_t* src = query + seq * q_stride_b + (kv_head * group + g) * q_stride_h;
+    for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = to_float(src[d]) * scale;
+  }
+  const int64_t row_stride = num_kv_heads * dim;  // between positions within a block
+  const int64_t block_stride = block_size * row_stride;
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+
+  // Scores, a block at a time: its rows stay in L1 while every query head of the group uses them.
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t first = b * block_size, count = std::min(block_size, seq_len - first);
+    int64_t stride;
+    const float* k = rows_as_float(k_cache + block_table[b] * block_stride + kv_head * dim, count, dim, row_stride,
+                                   scratch, stride);
+    if (b + 1 < num_blocks) prefetch_rows(k_cache + block_table[b + 1] * block_stride + kv_head * dim, block_size, dim,
+                                          row_stride);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * dim;
+      float* s = scores + g * padded_len + first;
+      int64_t r = 0;
+      for (; r + kWidth <= count; r += kWidth) {  // eight rows, their eight sums reduced together
+        vec8 sums[kWidth];
+        for (int64_t i = 0; i < kWidth; ++i) sums[i] = dot_lanes<kDim>(qg, k + (r + i) * stride, dim);
+        store8(s + r, hsum8(sums));
+      }
+      for (; r < count; ++r) s[r] = hsum(dot_lanes<kDim>(qg, k + r * stride, dim));
+    }
+  }
+  // Softmax numerators; the division by their sum is applied once to each output instead.
+  float inv_total[64];
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * padded_len;
+    const int64_t full = seq_len / kWidth * kWidth;
+    float max_score = -INFINITY;
+    if (full) {
+      vec8 m = load8(s);
+      for (int64_t i = kWidth; i < full; i += kWidth) m = vmax(m, load8(s + i));
+      max_score = hmax(m);
+    }
+    for (int64_t i = full; i < seq_len; ++i) max_score = std::max(max_score, s[i]);
+    vec8 total = splat(0.f);
+    for (int64_t i = 0; i < full; i += kWidth) {
+      const vec8 e = exp_nonpositive(load8(s + i) - max_score);
+      store8(s + i, e);
+      total += e;
+    }
+    float tail_total = 0.f;
+    if (full < seq_len) {  // the padding lanes are computed but neither summed nor used
+      const vec8 e = exp_nonpositive(load8(s + full) - max_score);
+      for (int64_t i = 0; i < seq_len - full; ++i) tail_total += e[i];
+      store8(s + full, e);
+    }
+    inv_total[g] = 1.0f / (hsum(total) + tail_total);
+  }
+
+  // Weighted sum of V rows, 64 output dims at a time so the accumulators stay in registers.
+  constexpr int64_t kChunk = 64;
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] = 0.f;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t first = b * block_size, count = std::min(block_size, seq_len - first);
+    int64_t stride;
+    if (b + 1 < num_blocks) prefetch_rows(v_cache + block_table[b + 1] * block_stride + kv_head * dim, block_size, dim,
+                                          row_stride);
+    const float* v = rows_as_float(v_cache + block_table[b] * block_stride + kv_head * dim, count, dim, row_stride,
+                                   scratch, stride);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* p = scores + g * padded_len + first;
+      for (int64_t d0 = 0; d0 < dim; d0 += kChunk) {
+        const int64_t lanes = std::min(kChunk, dim - d0) / kWidth;
+        float* a = acc + g * dim + d0;
+        vec8 sum[kChunk / kWidth];
+        for (int64_t c = 0; c < lanes; ++c) sum[c] = load8(a + c * kWidth);
+        for (int64_t r = 0; r < count; ++r) {
+          const vec8 weight = splat(p[r]);
+          const float* vr = v + r * stride + d0;
+          for (int64_t c = 0; c < lanes; ++c) sum[c] += weight * load8(vr + c * kWidth);
+        }
+        for (int64_t c = 0; c < lanes; ++c) store8(a + c * kWidth, sum[c]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    scalar_t* dst = out + (seq * group * num_kv_heads + kv_head * group + g) * dim;
+    for (int64_t d = 0; d < dim; ++d) from_float(acc[g * dim + d] * inv_total[g], dst + d);
+  }
+}
+
+template <typename scalar_t>
+void decode_all(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& block_tables, const std::vector<int64_t>& seq_lens, float scale, at::Tensor& out) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* k = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v = v_cache.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t q_stride_b = query.stride(0), q_stride_h = query.stride(1);
+
+  int64_t total_len = 0;
+  for (int64_t len : seq_lens) total_len += len;
+  // enough (sequence, kv head) tasks per chunk that a chunk is worth a thread (~64k flops)
+  const int64_t tasks = num_seqs * num_kv_heads;
+  const int64_t flops_per_task = std::max<int64_t>(1, 4 * group * dim * total_len / std::max<int64_t>(1, num_seqs));
+  const int64_t grain = std::max<int64_t>(1, 65536 / flops_per_task);
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int32_t* table = tables + seq * table_stride;
+      if (dim == 64) {
+        decode_one<scalar_t, 64>(q, q_stride_b, q_stride_h, k, v, table, seq_lens[seq], block_size, num_kv_heads,
+                                 kv_head, group, dim, scale, seq, o, buf);
+      } else if (dim == 128) {
+        decode_one<scalar_t, 128>(q, q_stride_b, q_stride_h, k, v, table, seq_lens[seq], block_size, num_kv_heads,
+                                  kv_head, group, dim, scale, seq, o, buf);
+      } else {
+        decode_one<scalar_t, 0>(q, q_stride_b, q_stride_h, k, v, table, seq_lens[seq], block_size, num_kv_heads,
+                                kv_head, group, dim, scale, seq, o, buf);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query_in.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(query_in.dim() == 3, "query must be [B, Hq, D]");
+  const at::Tensor query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, D] of the same shape");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "query and caches must share a dtype");
+  TORCH_CHECK(query.size(2) == k_cache.size(3), "head_dim mismatch");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0 && query.size(1) / k_cache.size(2) <= 64,
+              "query heads must be a multiple (at most 64) of kv heads");
+  TORCH_CHECK(query.size(2) % (2 * kWidth) == 0, "head_dim must be a multiple of ", 2 * kWidth);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1,
+              "block_tables must be [B, max_blocks] int32 with contiguous rows");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.is_contiguous(),
+              "seq_lens must be [B] int32");
+  const int64_t num_seqs = query.size(0);
+  TORCH_CHECK(block_tables.size(0) >= num_seqs && seq_lens.size(0) >= num_seqs, "fewer block tables than queries");
+
+  // Validate every block id the kernel will touch up front: a bad table must raise, not read wild memory.
+  const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0), max_blocks = block_tables.size(1);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  std::vector<int64_t> lengths(num_seqs);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = lens[s];
+    TORCH_CHECK(len >= 1 && (len + block_size - 1) / block_size <= max_blocks, "sequence ", s, " has length ", len,
+                " outside [1, ", max_blocks * block_size, "]");
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+      const int32_t id = tables[s * block_tables.stride(0) + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "sequence ", s, " names block ", id, " outside the cache");
+    }
+    lengths[s] = len;
+  }
+
+  at::Tensor out = at::empty({num_seqs, query.size(1), query.size(2)}, query.options());
+  if (num_seqs == 0) return out;
+  if (query.scalar_type() == at::kFloat) {
+    decode_all<float>(query, k_cache, v_cache, block_tables, lengths, static_cast<float>(scale), out);
+  } else if (query.scalar_type() == at::kBFloat16) {
+    decode_all<c10::BFloat16>(query, k_cache, v_cache, block_tables, lengths, static_cast<float>(scale), out);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16, got ", query.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tidal_cpu, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor",
+        &paged_decode_attention);
+}
