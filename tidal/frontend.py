@@ -251,27 +251,24 @@ class Frontend:
             self._idle.set()
 
     def abort(self, request: ActiveRequest, reason: str, error: BaseException | None = None) -> None:
-        """End a live request: the engine frees its blocks; its reader gets ``error``."""
-        if request.is_final:
-            return
-        request.move_to(RequestState.ABORTED)
-        request.abort_reason = reason
-        self.engine.abort_nowait(request.request_id)
-        self._release(request)
-        self.metrics.aborted.labels(self.metrics.model_name, reason).inc()
-        if error is not None:
-            request.mailbox.close(error, discard=True)
+        """End a live request: the engine frees its blocks; its reader gets ``error`` (if any)."""
+        self._end(request, RequestState.ABORTED, reason, self.metrics.aborted, error)
 
     def reject(self, request: ActiveRequest, reason: str, error: ApiError) -> None:
         """Refuse a queued request with a 503 (it never produced a byte)."""
+        self._end(request, RequestState.REJECTED, reason, self.metrics.rejected, error)
+
+    def _end(self, request: ActiveRequest, state: RequestState, reason: str, counter,
+             error: BaseException | None) -> None:
         if request.is_final:
             return
-        request.move_to(RequestState.REJECTED)
+        request.move_to(state)
         request.abort_reason = reason
         self.engine.abort_nowait(request.request_id)
         self._release(request)
-        self.metrics.rejected.labels(self.metrics.model_name, reason).inc()
-        request.mailbox.close(error, discard=True)
+        counter.labels(self.metrics.model_name, reason).inc()
+        if error is not None:
+            request.mailbox.close(error, discard=True)
 
     def close(self, request: ActiveRequest, reason: str = "client_disconnect") -> None:
         """The handler is done with the request. Aborts it if the engine is still working on it."""
