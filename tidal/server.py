@@ -142,9 +142,15 @@ async def serve(config: ServerConfig) -> int:
                 await server.run()
                 nursery.cancel_scope.cancel()
     except* EngineDead as group:
-        why: BaseException = group
-        while isinstance(why, BaseExceptionGroup):  # nested nurseries nest the groups
-            why = why.exceptions[0]
-        log.error("exiting: %s", why)
+        log.error("exiting: %s", _innermost(group))
         exit_code = 3
+    except* OSError as group:  # e.g. the port is taken
+        log.error("exiting: cannot serve on %s:%d: %s", config.host, config.port, _innermost(group))
+        exit_code = 2
     return exit_code
+
+
+def _innermost(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup):  # nested nurseries nest the groups
+        error = error.exceptions[0]
+    return error

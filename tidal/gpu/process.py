@@ -57,7 +57,8 @@ def run_engine_process(in_fd: int, out_fd: int) -> int:
     except Exception as exc:  # startup failure: report it, exit non-zero
         outbox.put_control(EngineFailed(f"{type(exc).__name__}: {exc}"))
         outbox.close()
-        traceback.print_exc()
+        if not isinstance(exc, (ValueError, OSError)):  # a bad flag or path needs no traceback
+            traceback.print_exc()
         return 1
     inbox = Inbox(in_fd)
     outbox.put_control(engine.ready_message())

@@ -1,0 +1,49 @@
+"""`tidal serve` as an operator meets it: --help, and clear failures at start (no tracebacks)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from hf_models import make_hf_model
+from live_server import LiveServer
+
+
+def run_serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tidal", "serve", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_help_explains_every_flag():
+    out = subprocess.run([sys.executable, "-m", "tidal", "serve", "--help"], capture_output=True, text=True).stdout
+    for flag in ("--model", "--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--block-size", "--kv-cache-memory", "--stream-interval",
+                 "--api-key", "--tokenizer-workers", "--device", "--dtype", "--max-queued-requests",
+                 "--scheduling-policy", "--max-queue-wait", "--max-stream-buffer-bytes", "--stream-stall-timeout",
+                 "--shutdown-timeout", "--attention-backend"):
+        assert flag in out, flag
+
+
+def test_unsupported_architecture_fails_at_start_with_a_clear_message(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(tmp_path)
+    result = run_serve("--model", str(tmp_path), "--port", "0")
+    assert result.returncode == 3
+    assert "GPT2LMHeadModel" in result.stderr and "LlamaForCausalLM" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_model_directory_and_bad_flags():
+    result = run_serve("--model", "/no/such/model", "--port", "0")
+    assert result.returncode == 3 and "no model directory" in result.stderr
+    assert "Traceback" not in result.stderr
+    bad = run_serve("--max-num-seqs", "0")
+    assert bad.returncode == 2 and "--max-num-seqs must be at least 1" in bad.stderr
+
+
+def test_port_in_use_is_a_clear_error():
+    with LiveServer("--model", "tidal-test") as server:
+        result = run_serve("--model", "tidal-test", "--port", str(server.port))
+        assert result.returncode == 2
+        assert "Address already in use" in result.stderr and "Traceback" not in result.stderr
