@@ -129,14 +129,17 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     for i, message in enumerate(request.messages):
         if message.role not in ROLES:
             raise bad_request(f"messages[{i}].role {message.role!r} is not one of {sorted(ROLES)}",
-                              f"messages.{i}.role")
+                              f"messages[{i}].role")
         content = message.content
         if isinstance(content, list):
             texts = []
             for part in content:
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise bad_request(f"messages[{i}]: only text content parts are supported "
-                                      f"(got type {part.type!r})", f"messages.{i}.content")
+                                      f"(got type {part.type!r})", f"messages[{i}].content")
+                if part.text is None:
+                    raise bad_request(f"messages[{i}]: a text content part needs a 'text' field",
+                                      f"messages[{i}].content")
                 texts.append(part.text)
             content = "".join(texts)
         out.append({"role": message.role, "content": content or ""})

@@ -52,10 +52,10 @@ BAD_REQUESTS = [
     ("max-tokens-zero", CHAT, chat_body(max_tokens=0), 400, "max_tokens", "at least 1"),
     ("max-completion-tokens-zero", CHAT, chat_body(max_completion_tokens=0), 400, "max_tokens", "at least 1"),
     ("empty-messages", CHAT, chat_body(messages=[]), 400, "messages", "at least one message"),
-    ("unknown-role", CHAT, chat_body(messages=[{"role": "wizard", "content": "x"}]), 400, "messages.0.role",
+    ("unknown-role", CHAT, chat_body(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role",
      "'wizard'"),
     ("image-part", CHAT, chat_body(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]), 400, "messages.0.content",
+        {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]), 400, "messages[0].content",
      "only text content parts"),
     ("prompt-over-context", CHAT, chat_body(messages=[{"role": "user", "content": LONG_TEXT}]), 400, "messages",
      "maximum context length is 64 tokens"),
