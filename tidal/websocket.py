@@ -37,7 +37,10 @@ _encode = msgspec.json.encode
 
 
 def _error_message(request_id: Any, error: ApiError) -> str:
-    return _encode({"type": "error", "id": request_id, "status": error.status, **error.body()}).decode()
+    message = {"type": "error", "id": request_id, "status": error.status, **error.body()}
+    if "Retry-After" in error.headers:  # what the HTTP answer says in its header
+        message["retry_after"] = int(error.headers["Retry-After"])
+    return _encode(message).decode()
 
 
 def register_websocket(app, api: Api, max_requests: int, api_key: str | None) -> None:

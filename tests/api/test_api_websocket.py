@@ -277,6 +277,7 @@ async def test_queue_full_over_websocket(ws_server):
     errors = [messages[-1] for messages in got.values() if messages[-1]["type"] == "error"]
     assert len(errors) == 1, errors
     assert errors[0]["status"] == 503
+    assert errors[0]["retry_after"] == 1  # the HTTP answer's Retry-After header, as a field
     assert errors[0]["error"]["message"] == "The request queue is full."
     assert errors[0]["error"]["type"] == "service_unavailable"
     assert len(got[errors[0]["id"]]) == 1  # refused before any chunk
