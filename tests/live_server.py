@@ -84,6 +84,8 @@ class LiveServer:
         raise RuntimeError(f"tidal serve did not become healthy:\n{self.log()}")
 
     def log(self) -> str:
+        if self.log_file.closed:  # stopped: the file is gone, its text was kept
+            return self._final_log
         self.log_file.flush()
         with open(self.log_file.name) as fh:
             return fh.read()
@@ -99,6 +101,10 @@ class LiveServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if not self.log_file.closed:
+            self._final_log = self.log()
+            self.log_file.close()
+            os.unlink(self.log_file.name)
         return self.process.returncode
 
     def engine_pid(self) -> int:

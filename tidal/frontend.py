@@ -303,10 +303,6 @@ class Frontend:
                                 request.request_id, now - mailbox.last_take_time)
                     self.abort(request, "slow_client", SlowClient("stalled past --stream-stall-timeout"))
 
-    def fail_all(self, why: str) -> None:
-        for request in list(self.active.values()):
-            self.abort(request, "engine_error")
-
     async def drain(self, timeout: float) -> None:
         """Stop admitting; let requests finish for ``timeout`` s; then abort the rest."""
         self.draining = True

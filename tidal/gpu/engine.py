@@ -88,7 +88,7 @@ class Engine:
             arrival_order=next(self._arrivals),
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, msg.prompt_token_ids, params.stop, params.skip_special_tokens),
-            generator=make_generator(params.seed),
+            generator=make_generator(params.seed, self.runner.device),
         )
         self.sequences[seq.request_id] = seq
         if not seq.prompt_token_ids or seq.num_tokens >= self.max_model_len:
