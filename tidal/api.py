@@ -18,6 +18,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from tidal import fast_send
 from tidal.frontend import Frontend, SHUTTING_DOWN
 from tidal.lifecycle import ActiveRequest
 from tidal.protocol import (
@@ -97,7 +98,8 @@ class Api:
         if checked.stream:
             interval = checked.stream_interval or self.frontend.config.stream_interval
             reader = OutputReader(self.frontend, active, first, interval)
-            return Response(SseBody(reader, encoder, checked.include_usage), 200, _SSE_HEADERS)
+            body = SseBody(reader, encoder, checked.include_usage, fast_send.body_writer(request.scope))
+            return Response(body, 200, _SSE_HEADERS)
         reader = OutputReader(self.frontend, active, first, math.inf)  # type: ignore[arg-type]
         try:
             return json_response(await collect(reader, encoder))

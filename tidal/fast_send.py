@@ -32,7 +32,7 @@ def install() -> bool:
     if _installed:
         return True
     try:
-        from hypercorn.events import Closed, RawData
+        from hypercorn.events import RawData
         from hypercorn.trio.tcp_server import TCPServer
     except ImportError:  # pragma: no cover - hypercorn without its trio worker
         return False
@@ -54,37 +54,87 @@ def install() -> bool:
                 return
         await original(self, event)
 
-    async def _send_all(self, raw, data: bytes) -> None:
-        """Write ``data``; wait for the socket (cancellably) only if the kernel buffer is full.
+    original_run = TCPServer.run
 
-        hypercorn shields this wait, so a client that stops reading would pin its task, and
-        with it server shutdown, forever. Here a cancellation (shutdown, the client's request
-        scope) interrupts the wait; the connection is then cut, because a frame may be half
-        written and the stream can no longer be continued.
-        """
-        view = memoryview(data)
+    async def run(self) -> None:
+        peer = None
         try:
-            while True:
-                try:
-                    view = view[raw.send(view):]
-                except BlockingIOError:
-                    pass
-                if not view:
-                    return
-                await trio.lowlevel.wait_writable(raw)
-        except OSError:
-            await self.protocol.handle(Closed())  # the peer is gone
-        except BaseException:
-            try:
-                raw.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            raise
+            peer = self.stream.socket.getpeername()[:2]
+            _connections[peer] = self
+        except (AttributeError, OSError):  # TLS or already gone: no direct writes
+            pass
+        try:
+            await original_run(self)
+        finally:
+            if peer is not None and _connections.get(peer) is self:
+                del _connections[peer]
 
     TCPServer.protocol_send = protocol_send
+    TCPServer.run = run
     _install_chunk_framing()
     _installed = True
     return True
+
+
+# hypercorn connection (TCPServer) of each plain-TCP client, by peer address = ASGI scope["client"]
+_connections: dict = {}
+
+
+class BodyWriter:
+    """Writes a streaming response's body chunks straight to its connection's socket.
+
+    Used for SSE frames once the response headers are out: each frame becomes one chunk of the
+    chunked body, framed here as h11 would frame it, and goes to the kernel with one
+    non-blocking send under the connection's send lock, skipping quart's body loop, hypercorn's
+    ASGI ``app_send`` and h11's event machinery, which cost more per frame than everything tidal
+    does for a token. Only valid while h11 is in SEND_BODY with chunked framing; ``write``
+    checks that on every call and returns False when the caller must use the ASGI path.
+    The end of the body still goes through ASGI (h11 writes the terminating chunk).
+    """
+
+    __slots__ = ("_server", "_raw", "_h11", "_send_body", "_chunked")
+
+    def __init__(self, server, raw, h11_protocol, send_body, chunked):
+        self._server = server
+        self._raw = raw
+        self._h11 = h11_protocol
+        self._send_body = send_body
+        self._chunked = chunked
+
+    async def write(self, data: bytes) -> bool:
+        connection = self._h11.connection
+        if connection.our_state is not self._send_body or type(connection._writer) is not self._chunked:
+            return False
+        server = self._server
+        lock = server.send_lock
+        try:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
+            await _send_all(server, self._raw, b"%x\r\n%s\r\n" % (len(data), data))
+        finally:
+            lock.release()
+        return True
+
+
+def body_writer(scope: dict) -> BodyWriter | None:
+    """A direct writer for this HTTP/1.1 request's response body, or None (TLS, HTTP/2, not installed)."""
+    if not _installed or scope.get("http_version") != "1.1" or scope.get("client") is None:
+        return None
+    server = _connections.get(tuple(scope["client"]))
+    if server is None:
+        return None
+    raw = getattr(getattr(server.stream, "socket", None), "_sock", None)
+    h11_protocol = getattr(getattr(server, "protocol", None), "protocol", None)
+    if raw is None or not hasattr(h11_protocol, "connection"):
+        return None
+    try:
+        import h11
+        from h11._writers import ChunkedWriter
+    except ImportError:  # pragma: no cover
+        return None
+    return BodyWriter(server, raw, h11_protocol, h11.SEND_BODY, ChunkedWriter)
 
 
 def _install_chunk_framing() -> None:
@@ -116,3 +166,33 @@ def _install_chunk_framing() -> None:
         await original(self, event)
 
     H11Protocol.stream_send = stream_send
+
+
+async def _send_all(server, raw, data: bytes) -> None:
+    """Write ``data``; wait for the socket (cancellably) only if the kernel buffer is full.
+
+    hypercorn shields this wait, so a client that stops reading would pin its task, and
+    with it server shutdown, forever. Here a cancellation (shutdown, the client's request
+    scope) interrupts the wait; the connection is then cut, because a frame may be half
+    written and the stream can no longer be continued.
+    """
+    view = memoryview(data)
+    try:
+        while True:
+            try:
+                view = view[raw.send(view):]
+            except BlockingIOError:
+                pass
+            if not view:
+                return
+            await trio.lowlevel.wait_writable(raw)
+    except OSError:
+        from hypercorn.events import Closed
+
+        await server.protocol.handle(Closed())  # the peer is gone
+    except BaseException:
+        try:
+            raw.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        raise

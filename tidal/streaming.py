@@ -14,6 +14,7 @@ from typing import Any
 import trio
 
 from tidal.engine_client import EngineDead
+from tidal.fast_send import BodyWriter
 from tidal.frontend import Frontend, ShutdownAbort, engine_unavailable
 from tidal.lifecycle import ActiveRequest
 from tidal.protocol import SSE_DONE, ApiError, ChunkEncoder, sse, usage
@@ -69,10 +70,12 @@ class OutputReader:
 class SseBody:
     """The async iterable quart sends as a ``text/event-stream`` body."""
 
-    def __init__(self, reader: OutputReader, encoder: ChunkEncoder, include_usage: bool):
+    def __init__(self, reader: OutputReader, encoder: ChunkEncoder, include_usage: bool,
+                 writer: BodyWriter | None = None):
         self.reader = reader
         self.encoder = encoder
         self.include_usage = include_usage
+        self.writer = writer  # writes frames straight to the socket once the headers are out
         self._finished = False
         self._pending_text = ""  # text held until a chunk may carry it (never an empty chunk)
 
@@ -80,8 +83,19 @@ class SseBody:
         return self
 
     async def __anext__(self) -> bytes:
+        # quart sent the headers before asking for the first chunk: from here on, frames can go
+        # straight to the socket; quart then only ends the body
+        writer = self.writer
+        while writer is not None and not self._finished:
+            frame = await self._next_frame()
+            if not await writer.write(frame):
+                self.writer = None
+                return frame
         if self._finished:
             raise StopAsyncIteration
+        return await self._next_frame()
+
+    async def _next_frame(self) -> bytes:
         reader = self.reader
         while True:
             try:

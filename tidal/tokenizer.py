@@ -31,6 +31,8 @@ class PromptTokenizer:
         from transformers import PreTrainedTokenizerFast
 
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+        # encode with the Rust tokenizer itself: the same ids without transformers' Python layers
+        self._fast = self.tokenizer.backend_tokenizer
         self.limiter = trio.CapacityLimiter(workers)
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
 
@@ -60,7 +62,7 @@ class PromptTokenizer:
         except Exception as exc:  # a template may raise on roles or orders it does not support
             raise bad_request(f"The chat template could not render these messages: {exc}", "messages") from None
         # the template writes the special tokens it wants (e.g. BOS); add none of our own
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._fast.encode(text, add_special_tokens=False).ids
 
     def _encode_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True)
+        return self._fast.encode(text, add_special_tokens=True).ids

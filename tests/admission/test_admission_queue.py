@@ -110,7 +110,7 @@ async def test_bound_is_n_admitted_and_n_plus_one_refused_for_every_kind_of_clie
                                               "body": completion_body(5)}))
             with trio.fail_after(10):
                 reply = json.loads(await ws.get_message())
-        assert reply == {"type": "error", "id": "w1", "status": 503, "error": QUEUE_FULL}
+        assert reply == {"type": "error", "id": "w1", "status": 503, "error": QUEUE_FULL, "retry_after": 1}
 
         m = await metrics_async(server)
         assert rejected(m, "queue_full") - before == 3
