@@ -42,15 +42,7 @@ def install() -> bool:
         if type(event) is RawData:
             raw = getattr(getattr(self.stream, "socket", None), "_sock", None)  # plain TCP only
             if raw is not None:
-                lock = self.send_lock  # keeps writes in order; uncontended, taking it costs nothing
-                try:
-                    lock.acquire_nowait()
-                except trio.WouldBlock:
-                    await lock.acquire()
-                try:
-                    await _send_all(self, raw, event.data)
-                finally:
-                    lock.release()
+                await _locked_send(self, raw, event.data)
                 return
         await original(self, event)
 
@@ -105,16 +97,7 @@ class BodyWriter:
         connection = self._h11.connection
         if connection.our_state is not self._send_body or type(connection._writer) is not self._chunked:
             return False
-        server = self._server
-        lock = server.send_lock
-        try:
-            lock.acquire_nowait()
-        except trio.WouldBlock:
-            await lock.acquire()
-        try:
-            await _send_all(server, self._raw, b"%x\r\n%s\r\n" % (len(data), data))
-        finally:
-            lock.release()
+        await _locked_send(self._server, self._raw, b"%x\r\n%s\r\n" % (len(data), data))
         return True
 
 
@@ -166,6 +149,23 @@ def _install_chunk_framing() -> None:
         await original(self, event)
 
     H11Protocol.stream_send = stream_send
+
+
+async def _locked_send(server, raw, data: bytes) -> None:
+    """``_send_all`` under the connection's send lock, which keeps writes in order.
+
+    The lock is uncontended unless a slow client's write is waiting, so taking it costs no
+    scheduling round (``acquire`` would always yield).
+    """
+    lock = server.send_lock
+    try:
+        lock.acquire_nowait()
+    except trio.WouldBlock:
+        await lock.acquire()
+    try:
+        await _send_all(server, raw, data)
+    finally:
+        lock.release()
 
 
 async def _send_all(server, raw, data: bytes) -> None:
