@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from .paging import paged_kv_offsets
+
 # tokens per K/V tile (>= 16 so tl.dot maps onto tensor cores)
 TILE_N = 64
 # tokens per split-K partition; contexts up to this length never split
@@ -94,13 +96,8 @@ def _decode_partition_kernel(
     for tile_start in range(start, end, TILE):
         tokens = tile_start + tl.arange(0, TILE)
         token_mask = tokens < end
-        block_ids = tl.load(block_table + tokens // block_size, mask=token_mask, other=0).to(tl.int64)
-        kv_offsets = (
-            block_ids[:, None] * stride_cache_block
-            + (tokens % block_size)[:, None] * stride_cache_offset
-            + kv_head * stride_cache_head
-            + dims[None, :]
-        )
+        kv_offsets = paged_kv_offsets(block_table, tokens, token_mask, block_size, kv_head, dims,
+                                      stride_cache_block, stride_cache_offset, stride_cache_head)
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         keys = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         if DOT_IN_FP32:

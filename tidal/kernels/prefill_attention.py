@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from .paging import paged_kv_offsets
+
 # (token, head) rows per query tile and tokens per K/V tile (>= 16 for tensor cores)
 BLOCK_ROWS = 64
 TILE_N = 64
@@ -95,13 +97,8 @@ def _prefill_kernel(
     for tile_start in range(0, key_end, TILE):
         keys_pos = tile_start + tl.arange(0, TILE)
         key_mask = keys_pos < key_end
-        block_ids = tl.load(block_table + keys_pos // block_size, mask=key_mask, other=0).to(tl.int64)
-        kv_offsets = (
-            block_ids[:, None] * stride_cache_block
-            + (keys_pos % block_size)[:, None] * stride_cache_offset
-            + kv_head * stride_cache_head
-            + dims[None, :]
-        )
+        kv_offsets = paged_kv_offsets(block_table, keys_pos, key_mask, block_size, kv_head, dims,
+                                      stride_cache_block, stride_cache_offset, stride_cache_head)
         kv_mask = key_mask[:, None] & dim_mask[None, :]
         keys = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         if DOT_IN_FP32:
