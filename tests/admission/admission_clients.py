@@ -87,20 +87,27 @@ async def _read_answer(client: httpx.AsyncClient, body: dict[str, Any], path: st
                 r.chunks.append(payload)
             return
         async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                r.done = True
-                continue
-            obj = json.loads(data)
-            if "error" in obj:
-                r.error = obj["error"]
-            elif obj.get("choices"):
-                r.chunks.append(obj)
+            if record_event(r, line):
                 r.chunk_times.append(trio.current_time())
-            if obj.get("usage"):
-                r.usage = obj["usage"]
+
+
+def record_event(r: "StreamResult", event: str) -> bool:
+    """Record one SSE event (``data: ...``) in ``r``; True if it added a content chunk."""
+    if not event.startswith("data: "):
+        return False
+    data = event[len("data: "):]
+    if data == "[DONE]":
+        r.done = True
+        return False
+    obj = json.loads(data)
+    if obj.get("usage"):
+        r.usage = obj["usage"]
+    if "error" in obj:
+        r.error = obj["error"]
+    elif obj.get("choices"):
+        r.chunks.append(obj)
+        return True
+    return False
 
 
 # ------------------------------------------------------------------ raw sockets
@@ -164,20 +171,8 @@ def parse_raw_sse(raw: bytes) -> StreamResult:
     if r.status != 200:
         r.error = json.loads(body)["error"]
         return r
-    for event in bytes(body).split(b"\n\n"):
-        if not event.startswith(b"data: "):
-            continue
-        data = event[len(b"data: "):]
-        if data == b"[DONE]":
-            r.done = True
-            continue
-        obj = json.loads(data)
-        if "error" in obj:
-            r.error = obj["error"]
-        elif obj.get("choices"):
-            r.chunks.append(obj)
-        if obj.get("usage"):
-            r.usage = obj["usage"]
+    for event in bytes(body).decode().split("\n\n"):
+        record_event(r, event)
     return r
 
 
