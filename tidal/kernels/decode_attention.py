@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .paging import paged_kv_offsets
+from .paging import online_softmax_tile, paged_kv_offsets
 
 # tokens per K/V tile (>= 16 so tl.dot maps onto tensor cores)
 TILE_N = 64
@@ -104,19 +104,8 @@ def _decode_partition_kernel(
             keys = keys.to(tl.float32)
         scores = tl.dot(query, tl.trans(keys), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        # every tile holds at least one real token, so new_max is finite
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.math.exp2(running_max - new_max)
-        probs = tl.math.exp2(scores - new_max[:, None])
-        running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        values = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        # probabilities are rounded to the cache dtype so the second product also runs on tensor cores
-        probs = probs.to(v_cache_ptr.dtype.element_ty)
-        if DOT_IN_FP32:
-            values = values.to(tl.float32)
-            probs = probs.to(tl.float32)
-        acc = acc * correction[:, None] + tl.dot(probs, values, input_precision=DOT_PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = online_softmax_tile(
+            scores, running_max, running_sum, acc, v_cache_ptr, kv_offsets, kv_mask, DOT_IN_FP32, DOT_PRECISION)
 
     out_mask = head_mask[:, None] & dim_mask[None, :]
     if SPLIT:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .paging import paged_kv_offsets
+from .paging import online_softmax_tile, paged_kv_offsets
 
 # (token, head) rows per query tile and tokens per K/V tile (>= 16 for tensor cores)
 BLOCK_ROWS = 64
@@ -106,20 +106,8 @@ def _prefill_kernel(
         scores = tl.dot(query, tl.trans(keys), input_precision=DOT_PRECISION) * scale_log2
         visible = (keys_pos[None, :] <= positions[:, None]) & key_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        # a row that has seen no visible key yet keeps max -inf; subtract 0 instead to avoid nan
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        correction = tl.math.exp2(running_max - safe_max)
-        probs = tl.math.exp2(scores - safe_max[:, None])
-        running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        values = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        # probabilities are rounded to the cache dtype so the second product also runs on tensor cores
-        probs = probs.to(v_cache_ptr.dtype.element_ty)
-        if DOT_IN_FP32:
-            values = values.to(tl.float32)
-            probs = probs.to(tl.float32)
-        acc = acc * correction[:, None] + tl.dot(probs, values, input_precision=DOT_PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = online_softmax_tile(
+            scores, running_max, running_sum, acc, v_cache_ptr, kv_offsets, kv_mask, DOT_IN_FP32, DOT_PRECISION)
 
     out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
     tl.store(
