@@ -274,7 +274,6 @@ class Frontend:
         """The handler is done with the request. Aborts it if the engine is still working on it."""
         if not request.is_final:
             self.abort(request, reason)
-        self.engine.abort_nowait(request.request_id)  # no-op unless the engine still has it
 
     def note_backlog(self, request: ActiveRequest) -> None:
         """Count outputs merged because the reader was behind; warn (rate-limited) on big backlogs."""
