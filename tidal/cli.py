@@ -26,7 +26,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="The model name clients send and /v1/models lists (default: the --model value).")
     g.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu or cuda[:N].")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="Weights and activations dtype. auto: bfloat16 on CUDA, float32 on CPU.")
+                   help="Weights and activations dtype. auto: bfloat16 on CUDA and on CPUs with native bf16 "
+                        "(avx512_bf16 or amx_bf16), float32 on other CPUs; the engine-ready log line says which.")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="Longest prompt + completion in tokens (default: the model's max_position_embeddings, "
                         "capped by the KV cache size).")

@@ -154,8 +154,9 @@ class EngineClient:
             splitter = FrameSplitter()
             with trio.fail_after(self.start_timeout):
                 self.ready, leftover = await self._read_until_ready(process, splitter)
-            log.info("engine ready (pid %d, %s, %s, %d KV blocks of %d tokens, max_model_len %d)",
-                     process.pid, self.ready.device, self.ready.dtype, self.ready.num_total_blocks,
+            log.info("engine ready (pid %d, %s, %s [%s], %d KV blocks of %d tokens, max_model_len %d)",
+                     process.pid, self.ready.device, self.ready.dtype, self.ready.dtype_reason,
+                     self.ready.num_total_blocks,
                      self.ready.block_size, self.ready.max_model_len)
             self._last_pong_time = trio.current_time()
             async with trio.open_nursery() as nursery:

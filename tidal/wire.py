@@ -149,6 +149,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     vocab_size: int
     eos_token_ids: list[int]
     pid: int
+    dtype_reason: str = ""  # why this dtype, e.g. "auto: the CPU has native bf16 (avx512_bf16)"
 
 
 class Pong(msgspec.Struct, tag="pong", array_like=True):

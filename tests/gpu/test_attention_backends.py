@@ -20,8 +20,8 @@ def test_auto_picks_torch_on_cpu():
 
 
 def generate(backend: str) -> dict[int, list[int]]:
-    engine = Engine(EngineConfig(model="tidal-tiny", attention_backend=backend, num_kv_blocks=32, block_size=16,
-                                 max_num_batched_tokens=24))
+    engine = Engine(EngineConfig(model="tidal-tiny", dtype="float32", attention_backend=backend, num_kv_blocks=32,
+                                 block_size=16, max_num_batched_tokens=24))
     params = SamplingParams(max_tokens=4, temperature=0.0)
     shared = list(range(100, 132))  # two full blocks: the second request hits them in the prefix cache
     engine.add_request(AddRequest(1, shared + [7, 8], params, 0, 0.0))

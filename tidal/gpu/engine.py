@@ -70,6 +70,7 @@ class Engine:
             vocab_size=mc.vocab_size,
             eos_token_ids=sorted(self.eos_token_ids),
             pid=os.getpid(),
+            dtype_reason=self.runner.dtype_reason,
         )
 
     # ------------------------------------------------------------------ requests

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from tidal.gpu import tiny_model
+from tidal.gpu.layers import packs_weights
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.models import LlamaForCausalLM, model_class
 
@@ -45,6 +46,8 @@ def load_model(
     else:
         model.load_weights(iter_safetensors(model_dir))
     model.eval()
+    if packs_weights(dtype, device):
+        model.pack_weights()
     return model, config
 
 

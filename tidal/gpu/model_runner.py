@@ -16,13 +16,12 @@ from tidal.gpu.attention import select_attention_backend
 from tidal.gpu.forward_batch import ForwardBatch
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import load_model, resolve_model_dir
+from tidal.gpu.precision import resolve_dtype
 from tidal.gpu.sequence import Sequence
 from tidal.gpu.synthetic_model import SYNTHETIC_MODEL_NAME, SyntheticModel
 from tidal.wire import EngineConfig
 
 log = logging.getLogger("tidal.engine")
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -34,20 +33,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        # CPUs without bf16 matrix units run fp32 matmuls faster than bf16 ones.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose auto, float32, float16 or bfloat16")
-    return _DTYPES[name]
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype, self.dtype_reason = resolve_dtype(config.dtype, self.device)
+        log.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), self.dtype_reason)
         self.model_dir = resolve_model_dir(config.model)
         self.attention = select_attention_backend(config.attention_backend, self.device)
         if config.model == SYNTHETIC_MODEL_NAME:

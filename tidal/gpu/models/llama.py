@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.gpu.forward_batch import ForwardBatch
-from tidal.gpu.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from tidal.gpu.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, pack_weight, packed_linear
 from tidal.gpu.model_config import ModelConfig
 
 
@@ -124,6 +124,7 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self._packed_lm_head: torch.Tensor | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -145,7 +146,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] of the rows of ``forward``'s output that sample."""
+        if self._packed_lm_head is not None:
+            return packed_linear(hidden_rows, self._packed_lm_head, None).float()
         return F.linear(hidden_rows, self.lm_head_weight).float()
+
+    def pack_weights(self) -> None:
+        """Prepack every matmul weight for oneDNN (``layers.pack_weight``); call once, after loading."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.config.tie_word_embeddings:
+            # the embedding lookup still needs the plain table: the head gets its own packed copy
+            self._packed_lm_head = pack_weight(self.model.embed_tokens)
+        else:
+            self._packed_lm_head = self.lm_head.packed
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters (casting to the model dtype).

@@ -1,0 +1,131 @@
+"""One decode step of the model alone (forward + logits), against the host's weight-read floor.
+
+    python benchmarks/decode_step.py [--sizes small] [--batches 1,16] [--dtypes float32,bfloat16]
+                                     [--context 128] [--steps 30] [--threads 2] [--profile]
+
+Loads the benchmark model (``benchmarks/models.py``) the way the engine does, builds a decode
+batch of B sequences with ``--context`` tokens already cached, and times ``model(batch)`` plus
+``compute_logits`` (no scheduler, sampler or detokenizer). The floor is the bytes of weights one
+step reads over the host's read bandwidth, measured in the same run by summing a 1 GiB tensor.
+``--profile`` prints torch.profiler's top operators for the last configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+from models import make_model  # noqa: E402
+from tidal.gpu.attention import TorchPagedAttention  # noqa: E402
+from tidal.gpu.forward_batch import ForwardBatch  # noqa: E402
+from tidal.gpu.model_loader import iter_safetensors, load_model  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s of the fastest of ``repeats`` sums over a ``gib`` GiB float32 tensor."""
+    data = torch.ones(int(gib * (1 << 30)) // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
+
+
+def decode_batch(batch: int, context: int, vocab: int) -> ForwardBatch:
+    """B sequences at position ``context`` (their first ``context`` tokens cached), one new token each."""
+    blocks_per_seq = context // BLOCK_SIZE + 1
+    tables = torch.arange(batch * blocks_per_seq, dtype=torch.int32).reshape(batch, blocks_per_seq)
+    slots = tables[:, -1].to(torch.int64) * BLOCK_SIZE + context % BLOCK_SIZE
+    return ForwardBatch(
+        input_ids=torch.randint(10, vocab, (batch,)),
+        positions=torch.full((batch,), context, dtype=torch.int64),
+        slot_mapping=slots,
+        num_decodes=batch,
+        decode_block_tables=tables,
+        decode_seq_lens=torch.full((batch,), context + 1, dtype=torch.int32),
+        decode_max_seq_len=context + 1,
+        prefill_query_lens=[],
+        prefill_seq_lens=[],
+        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
+        prefill_seq_lens_tensor=torch.zeros(0, dtype=torch.int32),
+        prefill_block_tables=torch.zeros(0, 1, dtype=torch.int32),
+        logits_indices=torch.arange(batch),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="small")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: this process's CPU time (with --threads 1 it shrugs off a busy machine)")
+    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "tidal-bench-models"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    bandwidth = read_bandwidth()
+    flags = sorted({f for f in open("/proc/cpuinfo").read().split() if f in ("avx2", "avx512f", "avx512_bf16",
+                                                                           "amx_bf16")})
+    print(f"host flags: {' '.join(flags)}; torch threads {args.threads}; {args.clock} clock; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"context {args.context}\n")
+    print("| model | dtype | batch | step ms | weight MB | floor ms | step / floor | tok/s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for size in args.sizes.split(","):
+        model_dir = make_model(size, os.path.join(args.model_dir, size))
+        for dtype_name in args.dtypes.split(","):
+            dtype = getattr(torch, dtype_name)
+            model, config = load_model(model_dir, dtype, torch.device("cpu"), TorchPagedAttention("cpu"))
+            # weights a decode step reads: all but the embedding table (one row each), unless tied
+            weight_bytes = dtype.itemsize * sum(
+                t.numel() for n, t in iter_safetensors(model_dir)
+                if n != "model.embed_tokens.weight" or config.tie_word_embeddings)
+            for batch in (int(b) for b in args.batches.split(",")):
+                num_blocks = batch * (args.context // BLOCK_SIZE + 1)
+                shape = (num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+                caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+                          for _ in range(config.num_layers)]
+                fb = decode_batch(batch, args.context, config.vocab_size)
+
+                def step() -> None:
+                    hidden = model(fb, caches)
+                    model.compute_logits(hidden[fb.logits_indices])
+
+                with torch.inference_mode():
+                    for _ in range(3):
+                        step()
+                    times = []
+                    for _ in range(args.steps):
+                        start = clock()
+                        step()
+                        times.append(clock() - start)
+                    times.sort()
+                    median = times[len(times) // 2]
+                    floor = weight_bytes / bandwidth
+                    print(f"| {size} | {dtype_name} | {batch} | {median * 1e3:.2f} | {weight_bytes / 1e6:.0f} | "
+                          f"{floor * 1e3:.2f} | {median / floor:.2f}x | {batch / median:.0f} |", flush=True)
+                    if args.profile:
+                        from torch.profiler import ProfilerActivity, profile
+
+                        with profile(activities=[ProfilerActivity.CPU]) as prof:
+                            for _ in range(10):
+                                step()
+                        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()
