@@ -144,7 +144,7 @@ def test_rejects_block_ids_outside_the_cache(kernel):
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("TIDAL_CPU_KERNELS", "0")
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
-    monkeypatch.setattr(cpu_kernels, "_kernel", None)
+    monkeypatch.setattr(cpu_kernels, "_ops", None)
     assert cpu_kernels.load_decode_kernel() is None
     assert TorchPagedAttention()._cpu_decode is None
 
@@ -153,10 +153,10 @@ def test_a_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path, caplo
     broken = tmp_path / "broken.cpp"
     broken.write_text("#error this source does not compile\n")
     monkeypatch.setenv("TIDAL_CPU_KERNELS", "1")
-    monkeypatch.setattr(cpu_kernels, "_SOURCE", broken)
+    monkeypatch.setattr(cpu_kernels, "_SOURCES", [broken])
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))  # keep the real build's cache clean
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
-    monkeypatch.setattr(cpu_kernels, "_kernel", None)
+    monkeypatch.setattr(cpu_kernels, "_ops", None)
     with caplog.at_level("WARNING", logger="tidal.gpu.cpu_kernels"):
         assert cpu_kernels.load_decode_kernel() is None
         assert cpu_kernels.load_decode_kernel() is None  # not retried

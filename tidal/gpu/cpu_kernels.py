@@ -1,9 +1,13 @@
 """C++ CPU kernels, compiled on first use with ``torch.utils.cpp_extension`` and cached.
 
-The only kernel so far is paged decode attention (``csrc/paged_decode.cpp``): one query token per
-sequence, reading K/V straight from the paged cache through the block table. On a CPU it
-replaces a gather of every block into a padded buffer plus a batch of tiny GEMMs, which cost
-several times the arithmetic itself.
+Two sources, one library (ops under ``torch.ops.tidal_cpu``):
+
+* ``csrc/paged_decode.cpp``: paged decode attention: one query token per sequence, reading K/V
+  straight from the paged cache through the block table. On a CPU it replaces a gather of every
+  block into a padded buffer plus a batch of tiny GEMMs, which cost several times the arithmetic.
+* ``csrc/layer_ops.cpp``: the per-layer elementwise work (RMSNorm with the residual add, rotary,
+  SiLU-and-mul), one op each instead of three to eight torch ops. At decode the tensors are a few
+  KB, so every torch op costs its dispatch and thread start-up, not its arithmetic.
 
 The build takes tens of seconds the first time and is cached in torch's extensions directory
 (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), so later processes only
@@ -13,6 +17,7 @@ build, after one logged warning: callers then use their plain-torch path.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -24,13 +29,31 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "layer_ops.cpp"]
+_HEADERS = [_CSRC / "vec8.h"]
 _lock = threading.Lock()
-_loaded = False  # whether a load was attempted (its result, possibly None, is in _kernel)
-_kernel: Callable | None = None
+_loaded = False  # whether a load was attempted (its result, possibly None, is in _ops)
+_ops = None  # torch.ops.tidal_cpu once loaded
 
 # The signature of the loaded kernel, for readers (torch.ops objects carry no annotations).
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def load_cpu_ops():
+    """``torch.ops.tidal_cpu`` with every kernel built, or None when disabled or unbuildable.
+
+    Builds (or loads the cached build) once per process; later calls return the same object.
+    Raises nothing: a failure logs one warning with the reason and returns None.
+    """
+    global _loaded, _ops
+    if _loaded:
+        return _ops
+    with _lock:
+        if not _loaded:
+            _ops = _load()
+            _loaded = True
+    return _ops
 
 
 def load_decode_kernel() -> DecodeKernel | None:
@@ -38,20 +61,13 @@ def load_decode_kernel() -> DecodeKernel | None:
 
     ``kernel(query [B, Hq, D], k_cache, v_cache [num_blocks, block_size, Hkv, D], block_tables [B, max_blocks]
     int32, seq_lens [B] int32, scale) -> [B, Hq, D]``, for float32 or bfloat16 (query and caches alike)
-    CPU tensors. Builds (or loads the cached build) once per process; later calls return the same
-    object. Raises nothing: a failure logs one warning with the reason and returns None.
+    CPU tensors.
     """
-    global _loaded, _kernel
-    if _loaded:
-        return _kernel
-    with _lock:
-        if not _loaded:
-            _kernel = _load()
-            _loaded = True
-    return _kernel
+    ops = load_cpu_ops()
+    return None if ops is None else ops.paged_decode_attention
 
 
-def _load() -> DecodeKernel | None:
+def _load():
     if os.environ.get("TIDAL_CPU_KERNELS", "1") == "0":
         log.info("CPU kernels disabled by TIDAL_CPU_KERNELS=0")
         return None
@@ -60,21 +76,23 @@ def _load() -> DecodeKernel | None:
         from torch.utils import cpp_extension
 
         isa, flags = _compile_flags()
-        # the ISA is in the name so machines sharing a cache directory never load each other's build
+        # the ISA is in the name so machines sharing a cache directory never load each other's build;
+        # the sources' hash (headers included: torch's own check skips them) so an edit always rebuilds
+        digest = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)).hexdigest()[:10]
         cpp_extension.load(
-            name=f"tidal_paged_decode_{isa}",
-            sources=[str(_SOURCE)],
+            name=f"tidal_cpu_{isa}_{digest}",
+            sources=[str(path) for path in _SOURCES],
             extra_cflags=flags,
             is_python_module=False,
             verbose=False,
         )
-        kernel = torch.ops.tidal_cpu.paged_decode_attention
+        ops = torch.ops.tidal_cpu
+        ops.paged_decode_attention  # noqa: B018 - resolves the op now: a missing one fails here, not mid-forward
     except Exception as exc:  # noqa: BLE001 - any build or load failure means "use the torch path"
-        log.warning("CPU decode attention kernel unavailable, using the torch path: %s: %s",
-                    type(exc).__name__, _reason(str(exc)))
+        log.warning("CPU kernels unavailable, using the torch path: %s: %s", type(exc).__name__, _reason(str(exc)))
         return None
-    log.info("CPU decode attention kernel ready in %.1f s", time.perf_counter() - started)
-    return kernel
+    log.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
+    return ops
 
 
 def _reason(message: str) -> str:

@@ -64,15 +64,32 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def cpu_layer_ops(dtype: torch.dtype, device: torch.device | str):
+    """``torch.ops.tidal_cpu`` (fused norm, rotary, SiLU-and-mul) for a CPU model in float32 or
+    bfloat16 when the C++ kernels built, else None: the layers then run their torch ops."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from tidal.gpu.cpu_kernels import load_cpu_ops
+
+    return load_cpu_ops()
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, cast back before the weight (the Hugging Face convention)."""
+    """RMSNorm computed in float32, cast back before the weight (the Hugging Face convention).
+
+    ``add_norm(residual, x)`` is the step between sublayers: ``residual += x`` in place, then
+    the norm of the sum, in one fused op on CPU.
+    """
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device) -> None:
         super().__init__()
         self.weight = _empty_parameter((size,), dtype, device)
         self.eps = eps
+        self._ops = cpu_layer_ops(dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._ops is not None:
+            return self._ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # one fused kernel instead of four elementwise passes; same math in float32
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -80,6 +97,11 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_norm(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self._ops is not None:
+            return self._ops.add_rms_norm_(residual, x, self.weight, self.eps)
+        return self(residual.add_(x))
 
 
 class GatedMLP(nn.Module):
@@ -90,9 +112,13 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype, device)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
+        self._ops = cpu_layer_ops(dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self._ops is not None:
+            return self.down_proj(self._ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -131,24 +157,33 @@ class RotaryEmbedding:
     models would cost hundreds of MB.
     """
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         self.head_dim = head_dim
         self._inv_freq_cpu = rotary_inv_freq(head_dim, theta, scaling)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._ops = cpu_layer_ops(dtype, device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape [T, 1, head_dim] for ``positions`` [T] (broadcast over heads)."""
+        """cos and sin of shape [T, head_dim] for ``positions`` [T]."""
         inv_freq = self._inv_freq.get(positions.device)
         if inv_freq is None:
             inv_freq = self._inv_freq[positions.device] = self._inv_freq_cpu.to(positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``q`` [T, Hq, D] and ``k`` [T, Hk, D] rotated by cos/sin [T, D] (in place with the CPU kernel)."""
+        if self._ops is not None and q.dtype == cos.dtype:
+            self._ops.rotary_(q, k, cos, sin)
+            return q, k
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [T, H, D] by the angles in cos/sin [T, 1, D]."""
+    """Rotate ``x`` [T, H, D] by the angles in cos/sin [T, D]."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

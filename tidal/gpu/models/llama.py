@@ -18,15 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.gpu.forward_batch import ForwardBatch
-from tidal.gpu.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, pack_weight, packed_linear
+from tidal.gpu.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, pack_weight, packed_linear
 from tidal.gpu.model_config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
     """Self-attention of one layer: fused qkv projection, rotary, paged attention, o_proj."""
 
-    def __init__(self, config: ModelConfig, attention, dtype: torch.dtype, device) -> None:
+    def __init__(self, config: ModelConfig, attention, rotary: RotaryEmbedding, dtype: torch.dtype, device) -> None:
         super().__init__()
+        self.rotary = rotary
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -58,38 +59,42 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q, k = self.rotary.rotate(q, k, cos, sin)
         k_cache, v_cache = kv_cache
         out = self.attention.forward(q, k, v, k_cache, v_cache, batch, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, config: ModelConfig, attention, dtype: torch.dtype, device) -> None:
+    The residual stream is carried separately and each "+" is fused into the next norm: a layer
+    takes (the previous sublayer's output, the residual before it) and returns the same pair.
+    """
+
+    def __init__(self, config: ModelConfig, attention, rotary: RotaryEmbedding, dtype: torch.dtype, device) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, attention, dtype, device)
+        self.self_attn = LlamaAttention(config, attention, rotary, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
 
-    def forward(self, hidden, cos, sin, kv_cache, batch):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, out, residual, cos, sin, kv_cache, batch):
+        normed = self.input_layernorm.add_norm(residual, out)
+        out = self.self_attn(normed, cos, sin, kv_cache, batch)
+        return self.mlp(self.post_attention_layernorm.add_norm(residual, out)), residual
 
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and the final norm (named like Hugging Face's ``model.*``)."""
 
-    def __init__(self, config: ModelConfig, attention, dtype: torch.dtype, device) -> None:
+    def __init__(self, config: ModelConfig, attention, rotary: RotaryEmbedding, dtype: torch.dtype, device) -> None:
         super().__init__()
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attention, dtype, device) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, attention, rotary, dtype, device) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -120,10 +125,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, attention, dtype, device)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, dtype, device)
+        self.model = LlamaModel(config, attention, self.rotary, dtype, device)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self._packed_lm_head: torch.Tensor | None = None
 
     @property
@@ -138,11 +143,12 @@ class LlamaForCausalLM(nn.Module):
         ``kv_caches[i]`` is layer i's ``(k_cache, v_cache)``, each
         ``[num_blocks, block_size, num_kv_heads, head_dim]``; the batch's new K/V are written into them.
         """
-        hidden = F.embedding(batch.input_ids, self.model.embed_tokens)
-        cos, sin = self.rotary.cos_sin(batch.positions, hidden.dtype)
+        residual = F.embedding(batch.input_ids, self.model.embed_tokens)
+        cos, sin = self.rotary.cos_sin(batch.positions, residual.dtype)
+        out = torch.zeros_like(residual)  # the first layer's "+ out" adds nothing
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, batch)
-        return self.model.norm(hidden)
+            out, residual = layer(out, residual, cos, sin, kv_cache, batch)
+        return self.model.norm.add_norm(residual, out)
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] of the rows of ``forward``'s output that sample."""
