@@ -25,7 +25,7 @@ import hypercorn.trio
 import trio
 
 from tidal.api import Api, create_app
-from tidal import fast_send
+from tidal import connections, fast_send
 from tidal.config import ServerConfig
 from tidal.engine_client import EngineClient, EngineDead, channel_capacity
 from tidal.frontend import Frontend, request_scope_middleware
@@ -69,6 +69,7 @@ class Server:
                              self._health_check, cfg.max_ws_requests_per_connection)
             asgi = request_scope_middleware(app, lambda: frontend)
             fast_send.install()
+            connections.install()
             hconfig = hypercorn.config.Config()
             hconfig.bind = [f"{cfg.host}:{cfg.port}"]
             hconfig.graceful_timeout = 2.0
