@@ -67,6 +67,7 @@ class Server:
             app = create_app(api, cfg.api_key, cfg.max_request_body_bytes,
                              lambda: self.metrics.render(self.engine.stats, len(frontend.active)),
                              self._health_check, cfg.max_ws_requests_per_connection)
+            app.config["BODY_TIMEOUT"] = cfg.body_timeout
             asgi = request_scope_middleware(app, lambda: frontend)
             fast_send.install()
             connections.install()
