@@ -18,7 +18,7 @@ import trio
 from quart import websocket
 
 from tidal.api import Api
-from tidal.protocol import ApiError, ChunkEncoder, bad_request
+from tidal.protocol import NESTED_TOO_DEEPLY, ApiError, ChunkEncoder, bad_request
 from tidal.streaming import OutputReader
 
 _ENDPOINTS = {"chat.completions": "chat", "completions": "completions"}
@@ -75,6 +75,9 @@ class Connection:
                     message = _decode(raw)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     await self.send(_error_message(None, bad_request(f"Invalid message: {exc}")))
+                    continue
+                except RecursionError:  # an error message, not a closed connection
+                    await self.send(_error_message(None, bad_request(NESTED_TOO_DEEPLY)))
                     continue
                 if message.type == "request":
                     await self.start(nursery, message)
