@@ -104,6 +104,8 @@ _decoders = {
     "completions": msgspec.json.Decoder(CompletionRequest),
 }
 
+NESTED_TOO_DEEPLY = "Request body is not valid JSON: it is nested too deeply"
+
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
@@ -119,6 +121,8 @@ def parse_body(kind: Literal["chat", "completions"], body: bytes | dict) -> Chat
         raise bad_request(f"Invalid request: {text}", param) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's depth guard: no field of ours nests that deep
+        raise bad_request(NESTED_TOO_DEEPLY) from None
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
