@@ -18,7 +18,7 @@ import trio
 from quart import websocket
 
 from tidal.lifecycle import ActiveRequest
-from tidal.protocol import ApiError, ChunkEncoder, bad_request
+from tidal.protocol import NESTED_TOO_DEEPLY, ApiError, ChunkEncoder, bad_request
 
 if TYPE_CHECKING:
     from tidal.api import Api
@@ -76,6 +76,9 @@ class Connection:
                     message = _decode(raw)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     await self.send(_error_message(None, bad_request(f"Invalid message: {exc}")))
+                    continue
+                except RecursionError:  # an error message, not a closed connection
+                    await self.send(_error_message(None, bad_request(NESTED_TOO_DEEPLY)))
                     continue
                 if message.type == "request":
                     await self.start(nursery, message)
