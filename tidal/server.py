@@ -9,7 +9,7 @@ Nursery nesting is lifetime nesting::
       _handle_signals                         SIGINT/SIGTERM: drain, then stop
 
 Policy on engine failure: every request in flight is failed at once (the engine client
-closes their mailboxes), /health answers 503, and after a one-second grace for those
+tells ``Frontend.on_engine_dead``), /health answers 503, and after a one-second grace for those
 errors to reach the clients ``serve`` raises ``EngineDead``: the process exits non-zero
 so that a supervisor (systemd, Kubernetes) restarts it.
 """
