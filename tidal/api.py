@@ -176,7 +176,8 @@ def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_rende
     async def metrics():
         return Response(metrics_render(), 200, {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
-    register_websocket(app, api, max_ws_requests, lambda headers: auth_error(api_key, headers.get("Authorization", "")))
+    register_websocket(app, api, max_ws_requests,
+                       lambda headers: auth_error(api_key, headers.get("Authorization", "")))
 
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException):
