@@ -18,7 +18,6 @@ import trio
 from quart import websocket
 
 from tidal.api import Api
-from tidal.frontend import ShutdownAbort
 from tidal.protocol import NESTED_TOO_DEEPLY, ApiError, ChunkEncoder, bad_request
 from tidal.streaming import OutputReader
 
@@ -125,11 +124,8 @@ class Connection:
                 encoder = ChunkEncoder(kind, api.model_name)  # type: ignore[arg-type]
                 prefix = b'{"type":"chunk","id":' + id_json + b',"data":'
                 while not reader.done:
-                    try:
-                        text, finish = await reader.next_delta()
-                    except ShutdownAbort:
-                        text, finish = "", "abort"
-                        reader.done = True
+                    text = await reader.next_delta()
+                    finish = reader.finish_reason
                     if finish is None and not text:
                         continue
                     await self.send((prefix + encoder.chunk_json(text, finish) + b"}").decode())
