@@ -73,7 +73,7 @@ class Connection:
             while True:
                 raw = await websocket.receive()
                 try:
-                    message = _decode(raw)
+                    message = _decode(raw or b"")  # quart-trio hands an empty binary message over as None
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     await self.send(_error_message(None, bad_request(f"Invalid message: {exc}")))
                     continue
