@@ -63,7 +63,7 @@ class Server:
         cfg = self.config
         async with trio.open_nursery() as nursery:
             ready = await nursery.start(self._run_engine)
-            tokenizer = await PromptTokenizer.load(ready.model, cfg.tokenizer_workers)
+            tokenizer = await PromptTokenizer.load(ready.model, cfg.tokenizer_workers, ready.max_model_len)
             frontend = self.frontend = Frontend(cfg, self.engine, self.metrics, ready.max_num_seqs)
             api = Api(frontend, tokenizer, cfg.model_name, ready.max_model_len, ready.vocab_size)
             app = create_app(api, cfg.api_key, cfg.max_request_body_bytes,
