@@ -312,9 +312,6 @@ class ChunkEncoder:
     def usage_json(self, usage_obj: dict[str, Any]) -> bytes:
         return self._head + b',"choices":[],"usage":' + _json_encode(usage_obj) + b"}"
 
-    def error_json(self, error: ApiError) -> bytes:
-        return error.json()
-
     def full_response(self, text: str, finish_reason: str | None, usage_obj: dict[str, Any],
                       stop_reason: str | int | None) -> dict[str, Any]:
         if self.kind == "chat":
