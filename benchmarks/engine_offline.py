@@ -2,11 +2,13 @@
 
     python benchmarks/engine_offline.py [--sizes tiny,small] [--batches 1,8,32]
                                         [--input-len 128] [--output-len 128] [--threads 2]
+                                        [--dtype auto|float32|bfloat16]
 
 For each model and batch size, in one process and one run: tidal's engine (in-process:
 scheduler, paged KV cache, model, sampler, detokenizer, stop checks) generates
 ``output-len`` greedy tokens for ``batch`` random prompts of ``input-len`` tokens, then
-HF ``generate(do_sample=False)`` does the same. Prints tokens/s and the ratio as markdown.
+HF ``generate(do_sample=False)`` does the same, in the dtype tidal resolved (``--dtype auto``:
+bfloat16 on CPUs with native bf16, else float32). Prints tokens/s and the ratio as markdown.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "tidal-bench-models"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -75,10 +78,11 @@ def main() -> None:
     for size in args.sizes.split(","):
         model_dir = make_model(size, os.path.join(args.model_dir, size))
         batches = [int(b) for b in args.batches.split(",")]
-        engine = Engine(EngineConfig(model=model_dir, dtype="float32", max_num_seqs=max(batches),
+        engine = Engine(EngineConfig(model=model_dir, dtype=args.dtype, max_num_seqs=max(batches),
                                      max_num_batched_tokens=max(2048, args.input_len * 8),
                                      kv_cache_memory_bytes=2 << 30, enable_prefix_caching=False))
-        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        dtype = engine.runner.dtype
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         run_tidal(engine, make_prompts(2, 16, seed=99), 8, 10_000_000)  # warm-up
         run_hf(hf, make_prompts(2, 16, seed=99), 8)
         for batch in batches:
@@ -89,7 +93,7 @@ def main() -> None:
             rows.append((size, batch, tokens / t_tidal, tokens / t_hf))
             print(f"{size} batch {batch}: tidal {tokens / t_tidal:.0f} tok/s, HF {tokens / t_hf:.0f} tok/s",
                   file=sys.stderr, flush=True)
-    print(f"\ninput {args.input_len} / output {args.output_len} tokens, greedy, float32, "
+    print(f"\ninput {args.input_len} / output {args.output_len} tokens, greedy, {dtype}, "
           f"torch threads {args.threads}\n")
     print("| model | batch | tidal tok/s | HF generate tok/s | ratio |")
     print("|---|---:|---:|---:|---:|")
