@@ -112,7 +112,8 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype, device)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
-        self._ops = cpu_layer_ops(dtype, device)
+        # the fused kernel works in whole 8-float vectors
+        self._ops = cpu_layer_ops(dtype, device) if intermediate_size % 8 == 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
