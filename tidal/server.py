@@ -9,7 +9,7 @@ Nursery nesting is lifetime nesting::
       _handle_signals                         SIGINT/SIGTERM: drain, then stop
 
 Policy on engine failure: every request in flight is failed at once (the engine client
-closes their mailboxes), /health answers 503, and after a one-second grace for those
+tells ``Frontend.on_engine_dead``), /health answers 503, and after a one-second grace for those
 errors to reach the clients ``serve`` raises ``EngineDead``: the process exits non-zero
 so that a supervisor (systemd, Kubernetes) restarts it.
 """
@@ -63,7 +63,7 @@ class Server:
         cfg = self.config
         async with trio.open_nursery() as nursery:
             ready = await nursery.start(self._run_engine)
-            tokenizer = await PromptTokenizer.load(ready.model, cfg.tokenizer_workers)
+            tokenizer = await PromptTokenizer.load(ready.model, cfg.tokenizer_workers, ready.max_model_len)
             frontend = self.frontend = Frontend(cfg, self.engine, self.metrics, ready.max_num_seqs)
             api = Api(frontend, tokenizer, cfg.model_name, ready.max_model_len, ready.vocab_size)
             app = create_app(api, cfg.api_key, cfg.max_request_body_bytes,
