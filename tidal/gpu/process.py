@@ -48,7 +48,6 @@ def run_engine_process(in_fd: int, out_fd: int) -> int:
 
     outbox = Outbox(out_fd)
     try:
-        _prefer_passive_omp_waits()
         import torch
 
         if config.num_threads:
@@ -73,16 +72,6 @@ def run_engine_process(in_fd: int, out_fd: int) -> int:
         return 1
     outbox.close()
     return 0
-
-
-def _prefer_passive_omp_waits() -> None:
-    """OpenMP threads sleep, not spin, between parallel regions (unless OMP_WAIT_POLICY is set).
-
-    Spinning torch threads steal the cores the frontend and the clients need: on a 2-core host
-    with other work running, a bf16 decode step with 2 spinning threads took 5-20x longer than
-    with passive waits (docs/performance.md). Read by libgomp when torch loads, so set before.
-    """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _loop(engine, inbox, outbox) -> None:
