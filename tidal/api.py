@@ -150,11 +150,20 @@ def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_rende
     async def completions():
         return await api.complete("completions", await body_bytes())
 
+    def model_card() -> dict[str, Any]:
+        return {"id": api.model_name, "object": "model", "created": 0, "owned_by": "tidal",
+                "max_model_len": api.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return json_response({"object": "list", "data": [{
-            "id": api.model_name, "object": "model", "created": 0, "owned_by": "tidal",
-            "max_model_len": api.max_model_len}]})
+        return json_response({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/<path:model_id>")  # path: served names may contain "/" (org/model)
+    async def model(model_id: str):
+        if model_id != api.model_name:
+            return error_response(ApiError(404, f"The model `{model_id}` does not exist.", "not_found_error",
+                                           "model", "model_not_found"))
+        return json_response(model_card())
 
     @app.get("/health")
     async def health():
