@@ -24,6 +24,7 @@ from tidal.lifecycle import ActiveRequest
 from tidal.protocol import (
     ApiError,
     ChunkEncoder,
+    Validated,
     bad_request,
     chat_messages,
     completion_prompt,
@@ -32,6 +33,7 @@ from tidal.protocol import (
     validate,
 )
 from tidal.streaming import OutputReader, SseBody, collect
+from tidal.token_logprobs import LogprobsFormatter, TokenTexts
 from tidal.tokenizer import PromptTokenizer
 
 log = logging.getLogger("tidal.api")
@@ -59,6 +61,12 @@ class Api:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.token_texts = TokenTexts(tokenizer.tokenizer.backend_tokenizer)
+
+    def logprobs_formatter(self, kind: str, checked: Validated) -> LogprobsFormatter | None:
+        if checked.params.logprobs is None:
+            return None
+        return LogprobsFormatter(kind, self.token_texts, checked.return_tokens_as_token_ids)
 
     async def prepare(self, kind: str, body: bytes | dict,
                       on_open: Callable[[ActiveRequest], None] | None = None) -> tuple[ActiveRequest, Any, Any]:
@@ -95,12 +103,13 @@ class Api:
         except ApiError as error:
             return error_response(error)
         encoder = ChunkEncoder(kind, self.model_name)  # type: ignore[arg-type]
+        logprobs = self.logprobs_formatter(kind, checked)
         if checked.stream:
             interval = checked.stream_interval or self.frontend.config.stream_interval
-            reader = OutputReader(self.frontend, active, first, interval)
+            reader = OutputReader(self.frontend, active, first, interval, logprobs)
             body = SseBody(reader, encoder, checked.include_usage, fast_send.body_writer(request.scope))
             return Response(body, 200, _SSE_HEADERS)
-        reader = OutputReader(self.frontend, active, first, math.inf)  # type: ignore[arg-type]
+        reader = OutputReader(self.frontend, active, first, math.inf, logprobs)  # type: ignore[arg-type]
         try:
             return json_response(await collect(reader, encoder))
         except ApiError as error:

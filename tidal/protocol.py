@@ -84,6 +84,7 @@ class _Common(msgspec.Struct, kw_only=True):
     priority: int = 0
     n: int = 1
     logprobs: bool | int | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs tokens as "token_id:N"
     user: str | None = None
 
 
@@ -174,13 +175,35 @@ class Validated:
     include_usage: bool
     stream_interval: int | None
     priority: int
+    return_tokens_as_token_ids: bool = False
+
+
+MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's bound)
+MAX_LEGACY_LOGPROBS = 5  # completions logprobs (OpenAI's bound)
+
+
+def _logprobs(r: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """How many top alternatives to report per token, or None for no logprobs."""
+    if isinstance(r, ChatCompletionRequest):
+        _check(r.logprobs is None or isinstance(r.logprobs, bool), "logprobs must be a boolean", "logprobs")
+        top = r.top_logprobs
+        _check(top is None or 0 <= top <= MAX_TOP_LOGPROBS,
+               f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
+        _check(not top or r.logprobs, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (top or 0) if r.logprobs else None
+    value = r.logprobs
+    if value is None or value is False:
+        return None
+    _check(not isinstance(value, bool) and 0 <= value <= MAX_LEGACY_LOGPROBS,
+           f"logprobs must be an integer between 0 and {MAX_LEGACY_LOGPROBS}", "logprobs")
+    return value  # type: ignore[return-value]
 
 
 def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> Validated:
     """Range checks shared by both endpoints. Prompt length is checked after tokenising."""
     r = request
     _check(r.n == 1, "Only n=1 is supported", "n")
-    _check(not r.logprobs, "logprobs are not supported", "logprobs")
+    num_logprobs = _logprobs(r)
     if isinstance(r, CompletionRequest):
         _check(not r.echo, "echo is not supported", "echo")
         _check(r.suffix is None, "suffix is not supported", "suffix")
@@ -229,9 +252,11 @@ def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int
         stop_token_ids=tuple(stop_ids),
         ignore_eos=r.ignore_eos,
         skip_special_tokens=r.skip_special_tokens,
+        logprobs=num_logprobs,
     )
     include_usage = bool(r.stream_options and r.stream_options.include_usage)
-    return Validated(params, max_tokens is not None, r.stream, include_usage, r.stream_interval, r.priority)
+    return Validated(params, max_tokens is not None, r.stream, include_usage, r.stream_interval, r.priority,
+                     r.return_tokens_as_token_ids)
 
 
 def fit_max_tokens(v: Validated, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
@@ -278,18 +303,19 @@ class ChunkEncoder:
         if kind == "chat":
             self._first = self._head + b',"choices":[{"index":0,"delta":{"role":"assistant","content":'
             self._next = self._head + b',"choices":[{"index":0,"delta":{"content":'
-            self._mid = b'},"logprobs":null,"finish_reason":'
+            self._mid = b'},"logprobs":'
         else:
             self._first = self._next = self._head + b',"choices":[{"index":0,"text":'
-            self._mid = b',"logprobs":null,"finish_reason":'
+            self._mid = b',"logprobs":'
         self._sent_first = False
 
-    def chunk_json(self, text: str, finish_reason: str | None) -> bytes:
+    def chunk_json(self, text: str, finish_reason: str | None, logprobs: Any = None) -> bytes:
         """One chunk as JSON bytes: the first chat chunk also carries the role."""
         prefix = self._next if self._sent_first else self._first
         self._sent_first = True
         reason = b"null" if finish_reason is None else _json_encode(finish_reason)
-        return prefix + _json_encode(text) + self._mid + reason + b"}]}"
+        lp = b"null" if logprobs is None else _json_encode(logprobs)
+        return prefix + _json_encode(text) + self._mid + lp + b',"finish_reason":' + reason + b"}]}"
 
     def usage_json(self, usage_obj: dict[str, Any]) -> bytes:
         return self._head + b',"choices":[],"usage":' + _json_encode(usage_obj) + b"}"
@@ -298,13 +324,13 @@ class ChunkEncoder:
         return error.json()
 
     def full_response(self, text: str, finish_reason: str | None, usage_obj: dict[str, Any],
-                      stop_reason: str | int | None) -> dict[str, Any]:
+                      stop_reason: str | int | None, logprobs: Any = None) -> dict[str, Any]:
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": finish_reason, "stop_reason": stop_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                       "stop_reason": stop_reason}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,

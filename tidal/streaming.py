@@ -18,16 +18,21 @@ from tidal.fast_send import BodyWriter
 from tidal.frontend import Frontend, ShutdownAbort, engine_unavailable
 from tidal.lifecycle import ActiveRequest
 from tidal.protocol import SSE_DONE, ApiError, ChunkEncoder, sse, usage
-from tidal.wire import RequestOutput
+from tidal.token_logprobs import LogprobsFormatter
+from tidal.wire import Logprobs, RequestOutput
 
 
 class OutputReader:
     """Reads a request's outputs as deltas of at least ``stream_interval`` tokens (plus the last)."""
 
-    def __init__(self, frontend: Frontend, request: ActiveRequest, first: RequestOutput, stream_interval: int):
+    def __init__(self, frontend: Frontend, request: ActiveRequest, first: RequestOutput, stream_interval: int,
+                 logprobs: LogprobsFormatter | None = None):
         self.frontend = frontend
         self.request = request
         self.stream_interval = stream_interval
+        self.logprobs = logprobs  # set when the request asked for logprobs
+        self._logprob_ids: list[int] = []  # tokens (and their logprobs) not yet taken
+        self._logprob_values = Logprobs([], [], [])
         self._first: RequestOutput | None = first
         self.num_tokens = 0
         self.num_cached_tokens = first.num_cached_tokens
@@ -52,6 +57,9 @@ class OutputReader:
                     raise engine_unavailable(str(exc)) from None
                 self.frontend.note_backlog(self.request)
             text_parts.append(output.text)
+            if self.logprobs is not None and output.logprobs is not None:
+                self._logprob_ids.extend(output.token_ids)
+                self._logprob_values.extend(output.logprobs)
             tokens += len(output.token_ids)
             self.num_tokens += len(output.token_ids)
             self.num_cached_tokens = output.num_cached_tokens
@@ -62,6 +70,14 @@ class OutputReader:
                 return "".join(text_parts), output.finish_reason
             if tokens >= self.stream_interval:
                 return "".join(text_parts), None
+
+    def take_logprobs(self) -> dict[str, Any] | None:
+        """The OpenAI logprobs object of the tokens read since the last call (None if not asked)."""
+        if self.logprobs is None:
+            return None
+        ids, values = self._logprob_ids, self._logprob_values
+        self._logprob_ids, self._logprob_values = [], Logprobs([], [], [])
+        return self.logprobs.format(ids, values)
 
     def usage(self) -> dict[str, Any]:
         return usage(self.request.num_prompt_tokens, self.num_tokens, self.num_cached_tokens)
@@ -109,7 +125,7 @@ class SseBody:
             self._pending_text = ""
             if finish is None and not text:
                 continue  # e.g. text held back by the stop-string check: nothing to say yet
-            frame = sse(self.encoder.chunk_json(text, finish))
+            frame = sse(self.encoder.chunk_json(text, finish, reader.take_logprobs()))
             if finish is not None:
                 self._finished = True
                 if self.include_usage:
@@ -130,4 +146,5 @@ async def collect(reader: OutputReader, encoder: ChunkEncoder) -> dict[str, Any]
             parts.append(text)
     except ShutdownAbort:
         reader.finish_reason = "abort"
-    return encoder.full_response("".join(parts), reader.finish_reason, reader.usage(), reader.stop_reason)
+    return encoder.full_response("".join(parts), reader.finish_reason, reader.usage(), reader.stop_reason,
+                                 reader.take_logprobs())

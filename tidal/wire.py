@@ -38,6 +38,8 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknow
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # number of top alternatives to report with each token's logprob; None: no logprobs (free)
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -109,6 +111,19 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_preemptions: int = 0  # cumulative
 
 
+class Logprobs(msgspec.Struct, array_like=True):
+    """Logprobs of consecutive output tokens, as compact parallel arrays (one entry per token)."""
+
+    token_logprobs: list[float]  # of the token that was sampled
+    top_token_ids: list[list[int]]  # the most likely tokens, most likely first
+    top_logprobs: list[list[float]]
+
+    def extend(self, later: "Logprobs") -> None:
+        self.token_logprobs.extend(later.token_logprobs)
+        self.top_token_ids.extend(later.top_token_ids)
+        self.top_logprobs.extend(later.top_logprobs)
+
+
 class RequestOutput(msgspec.Struct, array_like=True):
     """New output of one request since the last one sent. Merged, never dropped."""
 
@@ -120,8 +135,14 @@ class RequestOutput(msgspec.Struct, array_like=True):
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: Logprobs | None = None  # only for requests that asked, one entry per token id
 
     def merge(self, later: "RequestOutput") -> None:
+        if later.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = later.logprobs
+            else:
+                self.logprobs.extend(later.logprobs)
         self.token_ids.extend(later.token_ids)
         self.text += later.text
         self.finish_reason = later.finish_reason

@@ -62,7 +62,7 @@ BAD_REQUESTS = [
     ("prompt-plus-max-tokens-over-context", CHAT, chat_body(max_tokens=60), 400, "max_tokens",
      "maximum context length is 64 tokens"),
     ("n-2", CHAT, chat_body(n=2), 400, "n", "n=1"),
-    ("logprobs", CHAT, chat_body(logprobs=True), 400, "logprobs", "not supported"),
+    ("logprobs-int", CHAT, chat_body(logprobs=3), 400, "logprobs", "boolean"),
     ("empty-stop-string", CHAT, chat_body(stop=[""]), 400, "stop", "must not be empty"),
     ("stop-token-id-out-of-vocab", CHAT, chat_body(stop_token_ids=[10**6]), 400, "stop_token_ids", "8192"),
     ("stream-interval-zero", CHAT, chat_body(stream_interval=0), 400, "stream_interval", "at least 1"),

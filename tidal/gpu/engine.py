@@ -4,6 +4,7 @@
 
     batch   = scheduler.schedule()             # who runs, how many tokens each
     logits  = runner.execute(batch)            # one forward pass over the paged cache
+    logprobs = capture(logits)                 # only rows that ask, before the sampler edits logits
     tokens  = sampler.sample(logits)           # one token per sequence that reached its end
     between_passes()                           # aborts that arrived mid-forward free blocks now
     postprocess(tokens)                        # append, detokenize, check stops, emit outputs
@@ -24,11 +25,12 @@ from tokenizers import Tokenizer
 
 from tidal.gpu.block_manager import BlockManager
 from tidal.gpu.detokenizer import IncrementalDetokenizer
+from tidal.gpu.logprobs import CapturedLogprobs
 from tidal.gpu.model_runner import ModelRunner
 from tidal.gpu.sampler import Sampler, make_generator
 from tidal.gpu.scheduler import Scheduler
 from tidal.gpu.sequence import Sequence
-from tidal.wire import AddRequest, EngineConfig, EngineStats, Ready, RequestOutput, StepReport
+from tidal.wire import AddRequest, EngineConfig, EngineStats, Logprobs, Ready, RequestOutput, StepReport
 
 log = logging.getLogger("tidal.engine")
 
@@ -119,6 +121,7 @@ class Engine:
             return False
         self.num_steps += 1
         logits, sampling = self.runner.execute(batch.entries)
+        captured = CapturedLogprobs.capture(logits, [seq.params for seq in sampling])  # None: nobody asked
         tokens = self.sampler.sample(
             logits,
             [seq.params for seq in sampling],
@@ -131,13 +134,14 @@ class Engine:
             if not seq.is_finished:
                 seq.num_computed_tokens += num_new
                 self.block_manager.register_full_blocks(seq)
-        for seq, token_id in zip(sampling, tokens):
+        logprobs = captured.for_tokens(tokens) if captured is not None else {}
+        for i, (seq, token_id) in enumerate(zip(sampling, tokens)):
             if not seq.is_finished:
-                self._append_token(seq, token_id)
+                self._append_token(seq, token_id, logprobs.get(i))
         self._dirty = True
         return True
 
-    def _append_token(self, seq: Sequence, token_id: int) -> None:
+    def _append_token(self, seq: Sequence, token_id: int, logprobs: Logprobs | None = None) -> None:
         seq.append_token(token_id)
         params = seq.params
         text = ""
@@ -162,6 +166,7 @@ class Engine:
             stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            logprobs=logprobs,
         ))
         if finish is not None:
             self._finish(seq, finish, emit_output=False)

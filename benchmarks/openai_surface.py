@@ -1,0 +1,99 @@
+"""Cost of the OpenAI-surface features per step / per token (issue 12), side by side.
+
+    python benchmarks/openai_surface.py logprobs [--vocab 8192,151936]
+    python benchmarks/openai_surface.py grammar  [--batches 1,16,64]
+
+``logprobs``: engine cost of capturing logprobs (log-softmax of the asking rows, top-k on the
+device, the sampled token's value) next to the sampler's own cost for the same batch, and the
+frontend cost of formatting one token's logprobs into OpenAI JSON.
+``grammar``: per-step cost of the batched grammar mask (fill the bitmask of every constrained
+row, apply it to the logits) next to a tidal-tiny forward + sample step of the same batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def _median_ms(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def bench_logprobs(vocabs: list[int], batches: list[int], repeat: int) -> None:
+    from tidal.gpu.logprobs import CapturedLogprobs
+    from tidal.gpu.sampler import Sampler
+    from tidal.wire import SamplingParams
+
+    sampler = Sampler()
+    print("engine: ms per step (float32 logits, all rows asking for top 5 vs none asking)")
+    print(f"{'vocab':>7} {'batch':>5} {'sample':>8} {'+logprobs':>10} {'per token us':>12} {'share':>6}")
+    for vocab in vocabs:
+        for batch in batches:
+            logits = torch.randn(batch, vocab) * 3
+            plain = [SamplingParams(max_tokens=16, temperature=1.0, seed=i) for i in range(batch)]
+            asking = [SamplingParams(max_tokens=16, temperature=1.0, seed=i, logprobs=5) for i in range(batch)]
+            gens = [None] * batch
+            empty = [[] for _ in range(batch)]
+
+            def step(params):
+                scratch = logits.clone()
+                captured = CapturedLogprobs.capture(scratch, params)
+                tokens = sampler.sample(scratch, params, empty, empty, gens)
+                if captured is not None:
+                    captured.for_tokens(tokens)
+
+            base = _median_ms(lambda: step(plain), repeat)
+            with_lp = _median_ms(lambda: step(asking), repeat)
+            extra = with_lp - base
+            print(f"{vocab:>7} {batch:>5} {base:>8.3f} {with_lp:>10.3f} {extra / batch * 1e3:>12.1f} "
+                  f"{extra / base:>6.0%}")
+
+    import msgspec
+    from tokenizers import Tokenizer
+
+    from tidal.gpu import tiny_model
+    from tidal.token_logprobs import LogprobsFormatter, TokenTexts
+    from tidal.wire import Logprobs
+
+    tok = Tokenizer.from_file(tiny_model.asset_dir() + "/tokenizer.json")
+    texts = TokenTexts(tok)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, tok.get_vocab_size(), (256, 21), generator=gen).tolist()
+    print("frontend: us per token to format (and JSON-encode) one token's logprobs, warm token cache")
+    for kind, top in (("chat", 0), ("chat", 5), ("chat", 20), ("completions", 5)):
+        formatter = LogprobsFormatter(kind, texts, False)
+        lp = Logprobs([-1.0] * 256, [row[1:1 + top] for row in ids], [[-2.0] * top for _ in ids])
+        tokens = [row[0] for row in ids]
+        ms = _median_ms(lambda: msgspec.json.encode(formatter.format(tokens, lp)), repeat)
+        print(f"  {kind:<12} top {top:>2}: {ms / 256 * 1e3:6.1f} us/token")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["logprobs", "grammar"])
+    parser.add_argument("--vocab", default="8192,151936")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--repeat", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.what == "logprobs":
+        bench_logprobs([int(v) for v in args.vocab.split(",")], batches, args.repeat)
+    else:
+        from grammar_bench import bench_grammar  # noqa: PLC0415 (added with structured output)
+
+        bench_grammar(batches, args.repeat)
+
+
+if __name__ == "__main__":
+    main()
