@@ -95,6 +95,8 @@ class Api:
         if on_open is not None:
             on_open(active)
         first = await self.frontend.first_output(active)
+        if first.error is not None:  # refused by the engine before it was scheduled
+            raise bad_request(first.error, checked.structured_param)
         return active, first, checked
 
     async def complete(self, kind: str, body: bytes | dict) -> Response:

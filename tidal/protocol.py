@@ -7,6 +7,7 @@ small ``msgspec.json.encode`` and a bytes join.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from tidal.wire import SamplingParams
+from tidal.wire import SamplingParams, StructuredOutput
 
 _json_encode = msgspec.json.encode
 
@@ -63,6 +64,28 @@ class ChatMessage(msgspec.Struct):
     name: str | None = None
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True):
+    """vLLM's ``structured_outputs`` object (one constraint)."""
+
+    json: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Common(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
@@ -85,6 +108,12 @@ class _Common(msgspec.Struct, kw_only=True):
     n: int = 1
     logprobs: bool | int | None = None
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs tokens as "token_id:N"
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None  # vLLM's older spellings
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None
 
 
@@ -176,6 +205,7 @@ class Validated:
     stream_interval: int | None
     priority: int
     return_tokens_as_token_ids: bool = False
+    structured_param: str | None = None  # the field that set the output constraint
 
 
 MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's bound)
@@ -199,11 +229,68 @@ def _logprobs(r: ChatCompletionRequest | CompletionRequest) -> int | None:
     return value  # type: ignore[return-value]
 
 
+def _schema_text(schema: Any, param: str) -> str:
+    """A JSON schema as canonical JSON text (the grammar cache key)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise bad_request("the JSON schema is not valid JSON", param) from None
+    _check(isinstance(schema, (dict, bool)), "the JSON schema must be an object", param)
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+
+
+def structured_output(r: ChatCompletionRequest | CompletionRequest) -> tuple[StructuredOutput | None, str | None]:
+    """The request's output constraint and the field that set it; 400 on a malformed one.
+
+    A constraint its grammar engine rejects (an unsupported schema keyword, a bad regex) is
+    refused by the engine before the request is scheduled, also with a 400 (see ``Api.prepare``).
+    """
+    found: list[tuple[StructuredOutput, str]] = []
+    fmt = r.response_format
+    if fmt is not None:
+        if fmt.type == "json_schema":
+            _check(fmt.json_schema is not None and fmt.json_schema.schema is not None,
+                   "response_format json_schema needs json_schema.schema", "response_format")
+            found.append((StructuredOutput("json_schema", _schema_text(fmt.json_schema.schema,  # type: ignore[union-attr]
+                                                                          "response_format")), "response_format"))
+        elif fmt.type == "json_object":
+            found.append((StructuredOutput("json_object"), "response_format"))
+        else:
+            _check(fmt.type == "text", "response_format.type must be one of text, json_object, json_schema",
+                   "response_format")
+    so = r.structured_outputs
+    options = [("json", so.json if so else None, r.guided_json), ("regex", so.regex if so else None, r.guided_regex),
+               ("choice", so.choice if so else None, r.guided_choice),
+               ("grammar", so.grammar if so else None, r.guided_grammar)]
+    for name, new_style, old_style in options:
+        for value, param in ((new_style, "structured_outputs"), (old_style, f"guided_{name}")):
+            if value is None:
+                continue
+            if name == "json":
+                found.append((StructuredOutput("json_schema", _schema_text(value, param)), param))
+            elif name == "choice":
+                _check(bool(value) and all(isinstance(c, str) and c for c in value),
+                       "choice must be a non-empty list of non-empty strings", param)
+                found.append((StructuredOutput("choice", json.dumps(value)), param))
+            else:
+                _check(bool(value), f"{name} must not be empty", param)
+                found.append((StructuredOutput(name, value), param))  # type: ignore[arg-type]
+    if so is not None and so.json_object:
+        found.append((StructuredOutput("json_object"), "structured_outputs"))
+    if not found:
+        return None, None
+    _check(len(found) == 1, "give at most one output constraint (response_format, structured_outputs, guided_*)",
+           found[-1][1])
+    return found[0]
+
+
 def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> Validated:
     """Range checks shared by both endpoints. Prompt length is checked after tokenising."""
     r = request
     _check(r.n == 1, "Only n=1 is supported", "n")
     num_logprobs = _logprobs(r)
+    structured, structured_param = structured_output(r)
     if isinstance(r, CompletionRequest):
         _check(not r.echo, "echo is not supported", "echo")
         _check(r.suffix is None, "suffix is not supported", "suffix")
@@ -253,10 +340,11 @@ def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int
         ignore_eos=r.ignore_eos,
         skip_special_tokens=r.skip_special_tokens,
         logprobs=num_logprobs,
+        structured=structured,
     )
     include_usage = bool(r.stream_options and r.stream_options.include_usage)
     return Validated(params, max_tokens is not None, r.stream, include_usage, r.stream_interval, r.priority,
-                     r.return_tokens_as_token_ids)
+                     r.return_tokens_as_token_ids, structured_param)
 
 
 def fit_max_tokens(v: Validated, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:

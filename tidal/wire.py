@@ -22,6 +22,18 @@ FinishReason = Literal["stop", "length", "abort"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 
+class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
+    """A constraint on the output, compiled into a grammar by the engine (tidal.gpu.grammar).
+
+    ``kind`` "json_schema": ``spec`` is the schema as canonical JSON text (also the cache key);
+    "json_object": any JSON object (``spec`` empty); "regex": a regular expression;
+    "choice": a JSON list of the allowed strings; "grammar": an EBNF (GBNF) grammar.
+    """
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """What the sampler and the stop checker need. Validated by the frontend."""
 
@@ -40,6 +52,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknow
     skip_special_tokens: bool = True
     # number of top alternatives to report with each token's logprob; None: no logprobs (free)
     logprobs: int | None = None
+    structured: StructuredOutput | None = None  # None: unconstrained (no grammar work at all)
 
     @property
     def greedy(self) -> bool:
@@ -136,6 +149,9 @@ class RequestOutput(msgspec.Struct, array_like=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: Logprobs | None = None  # only for requests that asked, one entry per token id
+    # set on the only output of a request the engine refused before scheduling it (e.g. a
+    # schema its grammar engine cannot compile); the frontend answers it with a 400
+    error: str | None = None
 
     def merge(self, later: "RequestOutput") -> None:
         if later.logprobs is not None:

@@ -5,6 +5,7 @@
     batch   = scheduler.schedule()             # who runs, how many tokens each
     logits  = runner.execute(batch)            # one forward pass over the paged cache
     logprobs = capture(logits)                 # only rows that ask, before the sampler edits logits
+    grammars.apply_mask(logits)                # constrained rows only (structured output, tool calls)
     tokens  = sampler.sample(logits)           # one token per sequence that reached its end
     between_passes()                           # aborts that arrived mid-forward free blocks now
     postprocess(tokens)                        # append, detokenize, check stops, emit outputs
@@ -25,11 +26,12 @@ from tokenizers import Tokenizer
 
 from tidal.gpu.block_manager import BlockManager
 from tidal.gpu.detokenizer import IncrementalDetokenizer
+from tidal.gpu.grammar import Grammars
 from tidal.gpu.logprobs import CapturedLogprobs
 from tidal.gpu.model_runner import ModelRunner
 from tidal.gpu.sampler import Sampler, make_generator
 from tidal.gpu.scheduler import Scheduler
-from tidal.gpu.sequence import Sequence
+from tidal.gpu.sequence import Sequence, SequenceStatus
 from tidal.wire import AddRequest, EngineConfig, EngineStats, Logprobs, Ready, RequestOutput, StepReport
 
 log = logging.getLogger("tidal.engine")
@@ -51,6 +53,7 @@ class Engine:
             by_priority=config.scheduling_policy == "priority",
         )
         self.sampler = Sampler()
+        self.grammars = Grammars(self.runner.model_dir, self.runner.model_config.vocab_size, sorted(self.eos_token_ids))
         self.sequences: dict[int, Sequence] = {}
         self.num_steps = 0
         self._arrivals = itertools.count()
@@ -97,7 +100,10 @@ class Engine:
             # the frontend validates this; the engine still never runs an impossible request
             self._finish(seq, "length")
             return
-        self.scheduler.add(seq)
+        if params.structured is not None:
+            self.grammars.submit(seq)  # compiles off the step loop; scheduled once ready
+        else:
+            self.scheduler.add(seq)
         self._dirty = True
 
     def abort(self, request_ids: list[int]) -> None:
@@ -108,13 +114,22 @@ class Engine:
                 self._finish(seq, "abort", emit_output=False)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.grammars.num_waiting > 0
+
+    def _schedule_compiled(self) -> None:
+        """Requests whose grammar finished compiling join the scheduler (or are refused)."""
+        for seq, error in self.grammars.take_ready():
+            if error is None:
+                self.scheduler.add(seq)
+            else:
+                self._finish(seq, "abort", error=error)
 
     # ------------------------------------------------------------------ the step
 
     @torch.inference_mode()
     def step(self, between_passes: Callable[[], None] = lambda: None) -> bool:
         """Run one iteration. False if nothing could be scheduled (waiting for blocks)."""
+        self._schedule_compiled()
         batch = self.scheduler.schedule()
         self._started.extend(seq.request_id for seq in batch.started)
         if not batch:
@@ -122,6 +137,7 @@ class Engine:
         self.num_steps += 1
         logits, sampling = self.runner.execute(batch.entries)
         captured = CapturedLogprobs.capture(logits, [seq.params for seq in sampling])  # None: nobody asked
+        self.grammars.apply_mask(logits, sampling)  # constrained rows only
         tokens = self.sampler.sample(
             logits,
             [seq.params for seq in sampling],
@@ -144,6 +160,7 @@ class Engine:
     def _append_token(self, seq: Sequence, token_id: int, logprobs: Logprobs | None = None) -> None:
         seq.append_token(token_id)
         params = seq.params
+        grammar_complete = params.structured is not None and self.grammars.accept(seq, token_id)
         text = ""
         finish = None
         if token_id in self.eos_token_ids and not params.ignore_eos:
@@ -156,6 +173,8 @@ class Engine:
                 finish, seq.stop_reason = "stop", seq.detokenizer.stop_string
             elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 finish = "length"
+        if finish is None and grammar_complete:
+            finish = "stop"  # the grammar allows nothing more (e.g. it took a stop token under ignore_eos)
         if finish is not None and seq.detokenizer.stop_string is None:
             text += seq.detokenizer.flush()
         self._outputs.append(RequestOutput(
@@ -171,14 +190,17 @@ class Engine:
         if finish is not None:
             self._finish(seq, finish, emit_output=False)
 
-    def _finish(self, seq: Sequence, reason: str, emit_output: bool = True) -> None:
-        self.scheduler.remove(seq)
+    def _finish(self, seq: Sequence, reason: str, emit_output: bool = True, error: str | None = None) -> None:
+        if self.grammars.discard(seq.request_id):
+            seq.status = SequenceStatus.FINISHED  # it was still waiting for its grammar: never scheduled
+        else:
+            self.scheduler.remove(seq)
         seq.finish_reason = reason  # type: ignore[assignment]
         del self.sequences[seq.request_id]
         if emit_output:
             self._outputs.append(RequestOutput(
                 request_id=seq.request_id, token_ids=[], text="", finish_reason=reason,  # type: ignore[arg-type]
-                num_prompt_tokens=seq.num_prompt_tokens))
+                num_prompt_tokens=seq.num_prompt_tokens, error=error))
         self._finished.append(seq.request_id)
         self._dirty = True
 
