@@ -2,13 +2,12 @@
 
 ``step()`` tells the whole story of one iteration::
 
-    batch   = scheduler.schedule()             # who runs, how many tokens each
-    logits  = runner.execute(batch)            # one forward pass over the paged cache
-    logprobs = capture(logits)                 # only rows that ask, before the sampler edits logits
-    grammars.apply_mask(logits)                # constrained rows only (structured output, tool calls)
-    tokens  = sampler.sample(logits)           # one token per sequence that reached its end
-    between_passes()                           # aborts that arrived mid-forward free blocks now
-    postprocess(tokens)                        # append, detokenize, check stops, emit outputs
+    batch  = scheduler.schedule()              # who runs, how many tokens each
+    tokens = forward(batch)                    # one pass over the paged cache, one token per sampler
+                                               # (logprobs captured and grammar masks applied here)
+    apply_late_aborts()                        # the abort window: aborts that arrived mid-forward
+    scheduler.commit(batch, tokens)            # append, check stops, free what finished
+    emit(...)                                  # detokenize, one RequestOutput per new token
 
 Outputs, first-schedule events and finished ids collect in a pending report that the
 process loop sends after each step (``take_report``).
@@ -16,11 +15,10 @@ process loop sends after each step (``take_report``).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
-from collections.abc import Callable
-
 import torch
 from tokenizers import Tokenizer
 
@@ -30,9 +28,10 @@ from tidal.gpu.grammar import Grammars
 from tidal.gpu.logprobs import CapturedLogprobs
 from tidal.gpu.model_runner import ModelRunner
 from tidal.gpu.sampler import Sampler, make_generator
-from tidal.gpu.scheduler import Scheduler
+from tidal.gpu.scheduler import ScheduledBatch, Scheduler
 from tidal.gpu.sequence import Sequence, SequenceStatus
-from tidal.wire import AddRequest, EngineConfig, EngineStats, Logprobs, Ready, RequestOutput, StepReport
+from tidal.wire import (AddRequest, EngineConfig, EngineStats, FinishReason, Logprobs, Ready, RequestOutput,
+                        StepReport)
 
 log = logging.getLogger("tidal.engine")
 
@@ -53,7 +52,8 @@ class Engine:
             by_priority=config.scheduling_policy == "priority",
         )
         self.sampler = Sampler()
-        self.grammars = Grammars(self.runner.model_dir, self.runner.model_config.vocab_size, sorted(self.eos_token_ids))
+        self.grammars = Grammars(self.runner.model_dir, self.runner.model_config.vocab_size,
+                                 sorted(self.eos_token_ids))
         self.sequences: dict[int, Sequence] = {}
         self.num_steps = 0
         self._arrivals = itertools.count()
@@ -61,6 +61,9 @@ class Engine:
         self._outputs: list[RequestOutput] = []
         self._finished: list[int] = []
         self._dirty = False
+        # ids whose abort arrived while a forward pass ran: the pipe reader thread appends
+        # them (deque appends are thread-safe) and the step applies them in its abort window
+        self.late_aborts: collections.deque[list[int]] = collections.deque()
 
     def ready_message(self) -> Ready:
         mc = self.runner.model_config
@@ -94,6 +97,8 @@ class Engine:
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, msg.prompt_token_ids, params.stop, params.skip_special_tokens),
             generator=make_generator(params.seed, self.runner.device),
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
         )
         self.sequences[seq.request_id] = seq
         if not seq.prompt_token_ids or seq.num_tokens >= self.max_model_len:
@@ -127,7 +132,7 @@ class Engine:
     # ------------------------------------------------------------------ the step
 
     @torch.inference_mode()
-    def step(self, between_passes: Callable[[], None] = lambda: None) -> bool:
+    def step(self) -> bool:
         """Run one iteration. False if nothing could be scheduled (waiting for blocks)."""
         self._schedule_compiled()
         batch = self.scheduler.schedule()
@@ -135,72 +140,76 @@ class Engine:
         if not batch:
             return False
         self.num_steps += 1
+        tokens, logprobs = self._forward(batch)
+        self._apply_late_aborts()  # the abort window: the pass is over, its outputs not yet booked
+        for seq in self.scheduler.commit(batch, tokens):
+            if seq.params.structured is not None and self.grammars.accept(seq, seq.output_token_ids[-1]) \
+                    and seq.finish_reason is None:
+                self.scheduler.finish(seq, "stop")  # complete: it took a stop token under ignore_eos
+            self._emit(seq, logprobs.get(seq.request_id))
+        self._dirty = True
+        return True
+
+    def _forward(self, batch: ScheduledBatch) -> tuple[list[int], dict[int, Logprobs]]:
+        """One forward pass and one sampled token per ``batch.sampling`` sequence.
+
+        Also the logprobs of the sequences that asked (request id -> one token's), taken
+        before the grammar mask and the sampler edit the logits.
+        """
         logits, sampling = self.runner.execute(batch.entries)
-        captured = CapturedLogprobs.capture(logits, [seq.params for seq in sampling])  # None: nobody asked
+        params = [seq.params for seq in sampling]
+        captured = CapturedLogprobs.capture(logits, params)  # None when no row asks
         self.grammars.apply_mask(logits, sampling)  # constrained rows only
         tokens = self.sampler.sample(
             logits,
-            [seq.params for seq in sampling],
+            params,
             [seq.output_token_ids for seq in sampling],
             [seq.prompt_token_ids for seq in sampling],
             [seq.generator for seq in sampling],
         )
-        between_passes()  # may abort sequences of this batch: their tokens are dropped below
-        for seq, num_new in batch.entries:
-            if not seq.is_finished:
-                seq.num_computed_tokens += num_new
-                self.block_manager.register_full_blocks(seq)
-        logprobs = captured.for_tokens(tokens) if captured is not None else {}
-        for i, (seq, token_id) in enumerate(zip(sampling, tokens)):
-            if not seq.is_finished:
-                self._append_token(seq, token_id, logprobs.get(i))
-        self._dirty = True
-        return True
+        if captured is None:
+            return tokens, {}
+        return tokens, {sampling[i].request_id: lp for i, lp in captured.for_tokens(tokens).items()}
 
-    def _append_token(self, seq: Sequence, token_id: int, logprobs: Logprobs | None = None) -> None:
-        seq.append_token(token_id)
-        params = seq.params
-        grammar_complete = params.structured is not None and self.grammars.accept(seq, token_id)
-        text = ""
-        finish = None
-        if token_id in self.eos_token_ids and not params.ignore_eos:
-            finish = "stop"
-        elif token_id in params.stop_token_ids:
-            finish, seq.stop_reason = "stop", token_id
-        else:
-            text = seq.detokenizer.append(token_id)
-            if seq.detokenizer.stop_string is not None:
-                finish, seq.stop_reason = "stop", seq.detokenizer.stop_string
-            elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                finish = "length"
-        if finish is None and grammar_complete:
-            finish = "stop"  # the grammar allows nothing more (e.g. it took a stop token under ignore_eos)
-        if finish is not None and seq.detokenizer.stop_string is None:
-            text += seq.detokenizer.flush()
+    def _apply_late_aborts(self) -> None:
+        """Abort the requests whose abort arrived while the forward pass ran.
+
+        An id the engine does not know yet (its AddRequest is still in the inbox) is left to
+        the in-order path: the process loop handles that abort after the add.
+        """
+        while self.late_aborts:
+            self.abort(self.late_aborts.popleft())
+
+    def _emit(self, seq: Sequence, logprobs: Logprobs | None = None) -> None:
+        """The output of a sequence that got a token this step."""
         self._outputs.append(RequestOutput(
             request_id=seq.request_id,
-            token_ids=[token_id],
-            text=text,
-            finish_reason=finish,
+            token_ids=[seq.output_token_ids[-1]],
+            text=seq.take_text(),
+            finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=logprobs,
         ))
-        if finish is not None:
-            self._finish(seq, finish, emit_output=False)
+        if seq.finish_reason is not None:
+            self._forget(seq)
 
-    def _finish(self, seq: Sequence, reason: str, emit_output: bool = True, error: str | None = None) -> None:
-        if self.grammars.discard(seq.request_id):
-            seq.status = SequenceStatus.FINISHED  # it was still waiting for its grammar: never scheduled
+    def _finish(self, seq: Sequence, reason: FinishReason, emit_output: bool = True,
+                error: str | None = None) -> None:
+        if self.grammars.discard(seq.request_id):  # still waiting for its grammar: never scheduled
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         else:
-            self.scheduler.remove(seq)
-        seq.finish_reason = reason  # type: ignore[assignment]
-        del self.sequences[seq.request_id]
+            self.scheduler.finish(seq, reason)
         if emit_output:
             self._outputs.append(RequestOutput(
-                request_id=seq.request_id, token_ids=[], text="", finish_reason=reason,  # type: ignore[arg-type]
+                request_id=seq.request_id, token_ids=[], text="", finish_reason=reason,
                 num_prompt_tokens=seq.num_prompt_tokens, error=error))
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        self.grammars.discard(seq.request_id)
+        del self.sequences[seq.request_id]
         self._finished.append(seq.request_id)
         self._dirty = True
 
