@@ -1,13 +1,13 @@
 """Cost of the OpenAI-surface features per step / per token (issue 12), side by side.
 
     python benchmarks/openai_surface.py logprobs [--vocab 8192,151936]
-    python benchmarks/openai_surface.py grammar  [--batches 1,16,64]
+    python benchmarks/openai_surface.py grammar  [--batches 1,16,64] [--output-len 32]
 
 ``logprobs``: engine cost of capturing logprobs (log-softmax of the asking rows, top-k on the
 device, the sampled token's value) next to the sampler's own cost for the same batch, and the
 frontend cost of formatting one token's logprobs into OpenAI JSON.
 ``grammar``: per-step cost of the batched grammar mask (fill the bitmask of every constrained
-row, apply it to the logits) next to a tidal-tiny forward + sample step of the same batch.
+row, apply it to the logits) inside tidal-tiny engine steps, next to the same batch unconstrained.
 """
 
 from __future__ import annotations
@@ -78,21 +78,69 @@ def bench_logprobs(vocabs: list[int], batches: list[int], repeat: int) -> None:
         print(f"  {kind:<12} top {top:>2}: {ms / 256 * 1e3:6.1f} us/token")
 
 
+GRAMMAR_SCHEMA = '{"properties":{"text":{"type":"string"}},"required":["text"],"type":"object"}'
+
+
+def bench_grammar(batches: list[int], output_len: int) -> None:
+    """tidal-tiny engine in-process: batches of constrained vs unconstrained requests."""
+    from tidal.gpu.engine import Engine
+    from tidal.wire import AddRequest, EngineConfig, SamplingParams, StructuredOutput
+
+    engine = Engine(EngineConfig(model="tidal-tiny", num_kv_blocks=2048, max_num_seqs=max(batches)))
+    grammars = engine.grammars
+    spent = {"mask": 0.0}
+    apply_mask = grammars.apply_mask
+
+    def timed_mask(logits, sampling):
+        start = time.perf_counter()
+        apply_mask(logits, sampling)
+        spent["mask"] += time.perf_counter() - start
+
+    grammars.apply_mask = timed_mask  # type: ignore[method-assign]
+    constraint = StructuredOutput("json_schema", GRAMMAR_SCHEMA)
+    ids = iter(range(1, 1 << 30))
+
+    def run(batch: int, constrained: bool) -> tuple[float, float, int]:
+        for i in range(batch):
+            params = SamplingParams(max_tokens=output_len, temperature=1.0, seed=i, ignore_eos=True,
+                                    structured=constraint if constrained else None)
+            engine.add_request(AddRequest(next(ids), [5 + i, 6, 7, 8], params))
+        engine.step()  # the prefill step (a constrained batch also waits for its grammar here)
+        while engine.grammars.num_waiting:
+            engine.step()
+        engine.take_report()
+        spent["mask"] = 0.0
+        steps = 0
+        start = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+            engine.take_report()
+            steps += 1
+        return (time.perf_counter() - start) / steps * 1e3, spent["mask"] / steps * 1e3, steps
+
+    run(4, True)  # warm up: tokenizer info, first compile
+    print(f"grammar mask per step, tidal-tiny, {output_len} tokens per request (ms per step)")
+    print(f"{'batch':>5} {'plain step':>10} {'constrained step':>16} {'mask':>7} {'mask share':>10}")
+    for batch in batches:
+        plain, _, _ = run(batch, False)
+        constrained, mask, _ = run(batch, True)
+        print(f"{batch:>5} {plain:>10.2f} {constrained:>16.2f} {mask:>7.2f} {mask / constrained:>10.0%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["logprobs", "grammar"])
     parser.add_argument("--vocab", default="8192,151936")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--output-len", type=int, default=32)
     args = parser.parse_args()
     torch.set_num_threads(1)
     batches = [int(b) for b in args.batches.split(",")]
     if args.what == "logprobs":
         bench_logprobs([int(v) for v in args.vocab.split(",")], batches, args.repeat)
     else:
-        from grammar_bench import bench_grammar  # noqa: PLC0415 (added with structured output)
-
-        bench_grammar(batches, args.repeat)
+        bench_grammar(batches, args.output_len)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from tidal.protocol import (
 )
 from tidal.streaming import OutputReader, SseBody, collect
 from tidal.token_logprobs import LogprobsFormatter, TokenTexts
+from tidal.tool_calls import ToolCallStream
 from tidal.tokenizer import PromptTokenizer
 
 log = logging.getLogger("tidal.api")
@@ -55,13 +56,23 @@ class Api:
     """Everything a route needs, held by the app (no module globals)."""
 
     def __init__(self, frontend: Frontend, tokenizer: PromptTokenizer, model_name: str, max_model_len: int,
-                 vocab_size: int):
+                 vocab_size: int, tool_call_parser: str | None = None):
         self.frontend = frontend
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.tool_call_parser = tool_call_parser
         self.token_texts = TokenTexts(tokenizer.tokenizer.backend_tokenizer)
+
+    def tool_call_stream(self, checked: Validated) -> ToolCallStream | None:
+        """How the answer is read for tool calls (None: plain content)."""
+        use = checked.tools
+        if use is None:
+            return None
+        if use.mode == "auto":
+            return ToolCallStream(parser=self.tool_call_parser) if self.tool_call_parser else None
+        return ToolCallStream(forced=use.function or "required", named=use.mode == "named")
 
     def logprobs_formatter(self, kind: str, checked: Validated) -> LogprobsFormatter | None:
         if checked.params.logprobs is None:
@@ -81,7 +92,8 @@ class Api:
                            "model_not_found")
         checked = validate(parsed, self.vocab_size)
         if kind == "chat":
-            prompt_ids = await self.tokenizer.encode_chat(chat_messages(parsed))  # type: ignore[arg-type]
+            tools = [msgspec.to_builtins(t) for t in parsed.tools] if parsed.tools else None  # type: ignore[union-attr]
+            prompt_ids = await self.tokenizer.encode_chat(chat_messages(parsed), tools)  # type: ignore[arg-type]
         else:
             prompt = completion_prompt(parsed)  # type: ignore[arg-type]
             if isinstance(prompt, str):
@@ -108,10 +120,11 @@ class Api:
         logprobs = self.logprobs_formatter(kind, checked)
         if checked.stream:
             interval = checked.stream_interval or self.frontend.config.stream_interval
-            reader = OutputReader(self.frontend, active, first, interval, logprobs)
+            reader = OutputReader(self.frontend, active, first, interval, logprobs, self.tool_call_stream(checked))
             body = SseBody(reader, encoder, checked.include_usage, fast_send.body_writer(request.scope))
             return Response(body, 200, _SSE_HEADERS)
-        reader = OutputReader(self.frontend, active, first, math.inf, logprobs)  # type: ignore[arg-type]
+        reader = OutputReader(self.frontend, active, first, math.inf, logprobs,  # type: ignore[arg-type]
+                              self.tool_call_stream(checked))
         try:
             return json_response(await collect(reader, encoder))
         except ApiError as error:

@@ -63,6 +63,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--body-timeout", type=float, default=60.0,
                    help="Seconds a client may take to send a whole request body; 408 after (default 60).")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="The model's tool-call format, parsed into message.tool_calls under tool_choice 'auto' "
+                        "(hermes: Qwen2/Qwen3 <tool_call>; llama3_json; mistral [TOOL_CALLS]). "
+                        "tool_choice 'required' or a named function needs no parser.")
 
     g = p.add_argument_group("admission and backpressure (see docs/admission.md)")
     g.add_argument("--max-queued-requests", type=_queue_bound, default=256,
@@ -126,6 +130,7 @@ def server_config(args: argparse.Namespace):
         shutdown_timeout=args.shutdown_timeout,
         engine_heartbeat_timeout=args.engine_heartbeat_timeout,
         log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -30,6 +30,7 @@ class ServerConfig:
     engine_heartbeat_timeout: float = 10.0
     engine_start_timeout: float = 600.0
     log_level: str = "info"
+    tool_call_parser: str | None = None  # the model's tool-call format, parsed under tool_choice "auto"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

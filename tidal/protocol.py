@@ -8,6 +8,7 @@ small ``msgspec.json.encode`` and a bytes join.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from tidal.tool_calls import named_schema, required_schema
 from tidal.wire import SamplingParams, StructuredOutput
 
 _json_encode = msgspec.json.encode
@@ -62,6 +64,29 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: str
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: str
+    function: NamedFunction
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -121,6 +146,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -176,8 +204,27 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
                                       f"messages[{i}].content")
                 texts.append(part.text)
             content = "".join(texts)
-        out.append({"role": message.role, "content": content or ""})
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.tool_calls:
+            entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.name is not None:
+            entry["name"] = message.name
+        out.append(entry)
     return out
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier assistant tool call as chat templates expect it: arguments as an object."""
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            pass  # leave it as text; the template decides
+    return {**call, "function": function}
 
 
 def completion_prompt(request: CompletionRequest) -> str | list[int]:
@@ -218,6 +265,7 @@ class Validated:
     priority: int
     return_tokens_as_token_ids: bool = False
     structured_param: str | None = None  # the field that set the output constraint
+    tools: ToolUse | None = None
 
 
 MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's bound)
@@ -242,14 +290,15 @@ def _logprobs(r: ChatCompletionRequest | CompletionRequest) -> int | None:
 
 
 def _schema_text(schema: Any, param: str) -> str:
-    """A JSON schema as canonical JSON text (the grammar cache key)."""
+    """A JSON schema as compact JSON text (the grammar cache key). Key order is kept: the
+    output's properties come in the schema's order."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except ValueError:
             raise bad_request("the JSON schema is not valid JSON", param) from None
     _check(isinstance(schema, (dict, bool)), "the JSON schema must be an object", param)
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return json.dumps(schema, separators=(",", ":"))
 
 
 def structured_output(r: ChatCompletionRequest | CompletionRequest) -> tuple[StructuredOutput | None, str | None]:
@@ -297,12 +346,76 @@ def structured_output(r: ChatCompletionRequest | CompletionRequest) -> tuple[Str
     return found[0]
 
 
+MAX_TOOLS = 128  # OpenAI's bound
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """How a chat request uses its tools: passed to the template, and how the answer is read."""
+
+    tools: list[dict[str, Any]]  # OpenAI tool objects, for the chat template
+    mode: Literal["auto", "required", "named"]
+    function: str | None = None  # the named function
+    parallel: bool = True
+
+    @property
+    def functions(self) -> list[dict[str, Any]]:
+        return [tool["function"] for tool in self.tools]
+
+
+def tool_use(r: ChatCompletionRequest | CompletionRequest) -> ToolUse | None:
+    """The request's tools and tool_choice, checked (400 naming the field otherwise)."""
+    if not isinstance(r, ChatCompletionRequest):
+        return None
+    tools, choice = r.tools or [], r.tool_choice
+    _check(len(tools) <= MAX_TOOLS, f"at most {MAX_TOOLS} tools are supported", "tools")
+    names = []
+    for i, tool in enumerate(tools):
+        _check(tool.type == "function", f"tools[{i}].type must be 'function'", f"tools[{i}].type")
+        _check(bool(_TOOL_NAME.fullmatch(tool.function.name)),
+               f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-'", f"tools[{i}].function.name")
+        names.append(tool.function.name)
+    _check(len(set(names)) == len(names), "tool names must be unique", "tools")
+    if isinstance(choice, NamedToolChoice):
+        _check(choice.type == "function", "tool_choice.type must be 'function'", "tool_choice")
+        _check(choice.function.name in names, f"tool_choice names a function that is not in tools: "
+               f"{choice.function.name!r}", "tool_choice")
+        mode, function = "named", choice.function.name
+    else:
+        _check(choice in (None, "none", "auto", "required"),
+               "tool_choice must be 'none', 'auto', 'required' or a named function", "tool_choice")
+        _check(choice in (None, "none") or tools, f"tool_choice {choice!r} needs tools", "tool_choice")
+        if not tools or choice == "none":
+            return None  # tools with "none" are still shown to the template (see Api.prepare)
+        mode, function = ("auto" if choice in (None, "auto") else "required"), None
+    plain = [msgspec.to_builtins(tool) for tool in tools]
+    return ToolUse(plain, mode, function, r.parallel_tool_calls)  # type: ignore[arg-type]
+
+
+def _forced_tool_call(use: ToolUse | None) -> StructuredOutput | None:
+    if use is None or use.mode == "auto":
+        return None
+    if use.mode == "named":
+        tool = next(f for f in use.functions if f["name"] == use.function)
+        schema = named_schema(tool)
+    else:
+        schema = required_schema(use.functions, use.parallel)
+    return StructuredOutput("json_schema", json.dumps(schema, separators=(",", ":")))
+
+
 def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> Validated:
     """Range checks shared by both endpoints. Prompt length is checked after tokenising."""
     r = request
     _check(r.n == 1, "Only n=1 is supported", "n")
     num_logprobs = _logprobs(r)
     structured, structured_param = structured_output(r)
+    tools = tool_use(r)
+    forced = _forced_tool_call(tools)
+    if forced is not None:
+        _check(structured is None, "tool_choice 'required' or a named function cannot be combined with another "
+               "output constraint", structured_param or "tool_choice")
+        structured, structured_param = forced, "tools"
     if isinstance(r, CompletionRequest):
         _check(not r.echo, "echo is not supported", "echo")
         _check(r.suffix is None, "suffix is not supported", "suffix")
@@ -362,7 +475,7 @@ def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int
     )
     include_usage = bool(r.stream_options and r.stream_options.include_usage)
     return Validated(params, max_tokens is not None, r.stream, include_usage, r.stream_interval, r.priority,
-                     r.return_tokens_as_token_ids, structured_param)
+                     r.return_tokens_as_token_ids, structured_param, tools)
 
 
 def fit_max_tokens(v: Validated, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
@@ -415,13 +528,26 @@ class ChunkEncoder:
             self._mid = b',"logprobs":'
         self._sent_first = False
 
-    def chunk_json(self, text: str, finish_reason: str | None, logprobs: Any = None) -> bytes:
+    def chunk_json(self, text: str, finish_reason: str | None, logprobs: Any = None,
+                   tool_calls: list[dict[str, Any]] | None = None) -> bytes:
         """One chunk as JSON bytes: the first chat chunk also carries the role."""
+        if tool_calls:
+            return self._tool_calls_chunk(text, finish_reason, logprobs, tool_calls)
         prefix = self._next if self._sent_first else self._first
         self._sent_first = True
         reason = b"null" if finish_reason is None else _json_encode(finish_reason)
         lp = b"null" if logprobs is None else _json_encode(logprobs)
         return prefix + _json_encode(text) + self._mid + lp + b',"finish_reason":' + reason + b"}]}"
+
+    def _tool_calls_chunk(self, text: str, finish_reason: str | None, logprobs: Any,
+                          tool_calls: list[dict[str, Any]]) -> bytes:
+        """The chunk that carries a chat message's tool calls (whole: name and all arguments)."""
+        delta: dict[str, Any] = {} if self._sent_first else {"role": "assistant"}
+        self._sent_first = True
+        delta["content"] = text or None
+        delta["tool_calls"] = tool_calls
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._head + b',"choices":[' + _json_encode(choice) + b"]}"
 
     def usage_json(self, usage_obj: dict[str, Any]) -> bytes:
         return self._head + b',"choices":[],"usage":' + _json_encode(usage_obj) + b"}"
@@ -430,9 +556,14 @@ class ChunkEncoder:
         return error.json()
 
     def full_response(self, text: str, finish_reason: str | None, usage_obj: dict[str, Any],
-                      stop_reason: str | int | None, logprobs: Any = None) -> dict[str, Any]:
+                      stop_reason: str | int | None, logprobs: Any = None,
+                      tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["content"] = text or None
+                message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in tool_calls]
+            choice = {"index": 0, "message": message, "logprobs": logprobs,
                       "finish_reason": finish_reason, "stop_reason": stop_reason}
             obj = "chat.completion"
         else:

@@ -63,7 +63,8 @@ class Server:
             ready = await nursery.start(self._run_engine)
             tokenizer = await PromptTokenizer.load(ready.model, cfg.tokenizer_workers)
             frontend = self.frontend = Frontend(cfg, self.engine, self.metrics, ready.max_num_seqs)
-            api = Api(frontend, tokenizer, cfg.model_name, ready.max_model_len, ready.vocab_size)
+            api = Api(frontend, tokenizer, cfg.model_name, ready.max_model_len, ready.vocab_size,
+                      cfg.tool_call_parser)
             app = create_app(api, cfg.api_key, cfg.max_request_body_bytes,
                              lambda: self.metrics.render(self.engine.stats, len(frontend.active)),
                              self._health_check, cfg.max_ws_requests_per_connection)

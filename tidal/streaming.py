@@ -18,6 +18,7 @@ from tidal.frontend import Frontend
 from tidal.lifecycle import ActiveRequest
 from tidal.protocol import SSE_DONE, ApiError, ChunkEncoder, sse, usage
 from tidal.token_logprobs import LogprobsFormatter
+from tidal.tool_calls import ToolCallStream
 from tidal.wire import Logprobs, RequestOutput
 
 
@@ -28,13 +29,15 @@ class OutputReader:
     """
 
     def __init__(self, frontend: Frontend, request: ActiveRequest, first: RequestOutput, stream_interval: int,
-                 logprobs: LogprobsFormatter | None = None):
+                 logprobs: LogprobsFormatter | None = None, tool_calls: ToolCallStream | None = None):
         self.frontend = frontend
         self.request = request
         self.stream_interval = stream_interval
         self.logprobs = logprobs  # set when the request asked for logprobs
         self._logprob_ids: list[int] = []  # tokens (and their logprobs) not yet taken
         self._logprob_values = Logprobs([], [], [])
+        self._tool_calls = tool_calls  # reads tool calls out of the text (chat with tools)
+        self.tool_calls: list[dict[str, Any]] | None = None  # the calls, once the request is over
         self._first: RequestOutput | None = first
         self.num_tokens = 0
         self.num_cached_tokens = first.num_cached_tokens
@@ -74,9 +77,24 @@ class OutputReader:
             if output.finish_reason is not None:
                 self.finish_reason = output.finish_reason
                 self.stop_reason = output.stop_reason
-                return "".join(text_parts)
+                return self._content("".join(text_parts), final=True)
             if tokens >= self.stream_interval:
-                return "".join(text_parts)
+                return self._content("".join(text_parts), final=False)
+
+    def _content(self, text: str, final: bool) -> str:
+        """The message content in ``text``; tool calls are held back and set at the end."""
+        calls = self._tool_calls
+        if calls is None:
+            return text
+        content = calls.feed(text)
+        if final:
+            tail, found = calls.finish()
+            content += tail
+            if found:
+                self.tool_calls = [call.to_openai(i) for i, call in enumerate(found)]
+                if self.finish_reason == "stop":
+                    self.finish_reason = "tool_calls"
+        return content
 
     def take_logprobs(self) -> dict[str, Any] | None:
         """The OpenAI logprobs object of the tokens read since the last call (None if not asked)."""
@@ -127,7 +145,7 @@ class SseBody:
             finish = reader.finish_reason
             if finish is None and not text:
                 continue  # e.g. text held back by the stop-string check: nothing to say yet
-            frame = sse(self.encoder.chunk_json(text, finish, reader.take_logprobs()))
+            frame = sse(self.encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls))
             if finish is not None:
                 if self.include_usage:
                     frame += sse(self.encoder.usage_json(reader.usage()))
@@ -144,4 +162,4 @@ async def collect(reader: OutputReader, encoder: ChunkEncoder) -> dict[str, Any]
     while not reader.done:
         parts.append(await reader.next_delta())
     return encoder.full_response("".join(parts), reader.finish_reason, reader.usage(), reader.stop_reason,
-                                 reader.take_logprobs())
+                                 reader.take_logprobs(), reader.tool_calls)

@@ -73,11 +73,11 @@ class PromptTokenizer:
     async def load(cls, model_dir: str, workers: int) -> "PromptTokenizer":
         return await trio.to_thread.run_sync(cls, model_dir, workers)
 
-    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        if sum(len(m["content"]) for m in messages) <= INLINE_MAX_CHARS:
+    async def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        if sum(len(m["content"]) for m in messages) <= INLINE_MAX_CHARS and not tools:
             await trio.lowlevel.checkpoint()
-            return self._encode_chat(messages)
-        return await trio.to_thread.run_sync(self._encode_chat, messages, limiter=self.limiter,
+            return self._encode_chat(messages, tools)
+        return await trio.to_thread.run_sync(self._encode_chat, messages, tools, limiter=self.limiter,
                                              abandon_on_cancel=True)
 
     async def encode_text(self, text: str) -> list[int]:
@@ -87,11 +87,13 @@ class PromptTokenizer:
         return await trio.to_thread.run_sync(self._encode_text, text, limiter=self.limiter,
                                              abandon_on_cancel=True)
 
-    def _encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not self.has_chat_template:
             raise bad_request("This model has no chat template; use /v1/completions", "messages")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            # tools go to the template as transformers passes them (it renders them its own way)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
         except Exception as exc:  # a template may raise on roles or orders it does not support
             raise bad_request(f"The chat template could not render these messages: {exc}", "messages") from None
         # the template writes the special tokens it wants (e.g. BOS); add none of our own

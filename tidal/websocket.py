@@ -120,7 +120,8 @@ class Connection:
                     await self.send(_error_message(rid, error))
                     return
                 interval = checked.stream_interval or api.frontend.config.stream_interval
-                reader = OutputReader(api.frontend, active, first, interval, api.logprobs_formatter(kind, checked))
+                reader = OutputReader(api.frontend, active, first, interval, api.logprobs_formatter(kind, checked),
+                                      api.tool_call_stream(checked))
                 encoder = ChunkEncoder(kind, api.model_name)  # type: ignore[arg-type]
                 prefix = b'{"type":"chunk","id":' + id_json + b',"data":'
                 while not reader.done:
@@ -128,7 +129,7 @@ class Connection:
                     finish = reader.finish_reason
                     if finish is None and not text:
                         continue
-                    await self.send((prefix + encoder.chunk_json(text, finish, reader.take_logprobs()) + b"}").decode())
+                    await self.send((prefix + encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls) + b"}").decode())
                 await self.send(_encode({"type": "done", "id": rid, "usage": reader.usage()}).decode())
             if scope.cancelled_caught:  # the client sent "cancel"
                 if opened:
