@@ -78,7 +78,8 @@ def bench_logprobs(vocabs: list[int], batches: list[int], repeat: int) -> None:
         print(f"  {kind:<12} top {top:>2}: {ms / 256 * 1e3:6.1f} us/token")
 
 
-GRAMMAR_SCHEMA = '{"properties":{"text":{"type":"string"}},"required":["text"],"type":"object"}'
+# the string cannot close within the run, so every constrained row stays in the batch throughout
+GRAMMAR_SCHEMA = '{"type":"object","properties":{"text":{"type":"string","minLength":1000}},"required":["text"]}'
 
 
 def bench_grammar(batches: list[int], output_len: int) -> None:
@@ -122,8 +123,10 @@ def bench_grammar(batches: list[int], output_len: int) -> None:
     print(f"grammar mask per step, tidal-tiny, {output_len} tokens per request (ms per step)")
     print(f"{'batch':>5} {'plain step':>10} {'constrained step':>16} {'mask':>7} {'mask share':>10}")
     for batch in batches:
-        plain, _, _ = run(batch, False)
-        constrained, mask, _ = run(batch, True)
+        # alternate and keep the best of three: the host is shared and noisy
+        runs = [(run(batch, False), run(batch, True)) for _ in range(3)]
+        plain = min(p[0] for p, _ in runs)
+        constrained, mask, _ = min((c for _, c in runs), key=lambda c: c[0])
         print(f"{batch:>5} {plain:>10.2f} {constrained:>16.2f} {mask:>7.2f} {mask / constrained:>10.0%}")
 
 
