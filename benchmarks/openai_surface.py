@@ -2,6 +2,7 @@
 
     python benchmarks/openai_surface.py logprobs [--vocab 8192,151936]
     python benchmarks/openai_surface.py grammar  [--batches 1,16,64] [--output-len 32]
+    python benchmarks/openai_surface.py grammar-engines  (needs llguidance installed)
 
 ``logprobs``: engine cost of capturing logprobs (log-softmax of the asking rows, top-k on the
 device, the sampled token's value) next to the sampler's own cost for the same batch, and the
@@ -130,9 +131,69 @@ def bench_grammar(batches: list[int], output_len: int) -> None:
         print(f"{batch:>5} {plain:>10.2f} {constrained:>16.2f} {mask:>7.2f} {mask / constrained:>10.0%}")
 
 
+def bench_grammar_engines(batches: list[int], steps: int = 12) -> None:
+    """xgrammar against llguidance (pip install llguidance; not a dependency) on tidal-tiny's
+    tokenizer: compile time of one schema, and the time to fill the token bitmask of B rows per
+    step (steady state: the first step is skipped; greedy walks under the mask)."""
+    import json
+
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch as llg_torch
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerFast
+
+    from tidal.gpu import tiny_model
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model.asset_dir())
+    vocab = tokenizer.backend_tokenizer.get_vocab_size()
+    schema = json.dumps({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "color": {"enum": ["red", "green", "blue"]}}, "required": ["name", "age", "color"],
+        "additionalProperties": False})
+    logits = torch.randn(max(batches), vocab, generator=torch.Generator().manual_seed(0))
+
+    def walk(fill, advance, matchers, bitmask) -> float:
+        spent = 0.0
+        for step in range(steps):
+            start = time.perf_counter()
+            fill(matchers, bitmask)
+            if step:
+                spent += time.perf_counter() - start
+            rows = logits[:len(matchers)].clone()
+            xgr.apply_token_bitmask_inplace(rows, bitmask[:len(matchers)])
+            for matcher, token in zip(matchers, rows.argmax(dim=-1).tolist()):
+                advance(matcher, token)
+        return spent / (steps - 1) * 1e3
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    start = time.perf_counter()
+    compiled = compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
+    xgr_compile = (time.perf_counter() - start) * 1e3
+    lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab)
+    start = time.perf_counter()
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    llguidance.LLMatcher(lltok, grammar)
+    llg_compile = (time.perf_counter() - start) * 1e3
+    print(f"compile one schema: xgrammar {xgr_compile:.2f} ms, llguidance {llg_compile:.2f} ms")
+    batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
+    executor = llguidance.LLExecutor()
+    print(f"{'batch':>5} {'xgrammar fill ms':>16} {'llguidance fill ms':>18}")
+    for batch in batches:
+        bitmask = xgr.allocate_token_bitmask(batch, vocab)
+        xgr_ms = walk(lambda ms, bm: batch_matcher.batch_fill_next_token_bitmask(ms, bm),
+                      lambda m, t: m.is_terminated() or m.accept_token(t),
+                      [xgr.GrammarMatcher(compiled) for _ in range(batch)], bitmask)
+        llg_ms = walk(lambda ms, bm: llg_torch.fill_next_token_bitmask_par(executor, list(zip(ms, range(len(ms)))), bm),
+                      lambda m, t: m.is_stopped() or m.consume_token(t),
+                      [llguidance.LLMatcher(lltok, grammar) for _ in range(batch)], bitmask)
+        print(f"{batch:>5} {xgr_ms:>16.3f} {llg_ms:>18.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["logprobs", "grammar"])
+    parser.add_argument("what", choices=["logprobs", "grammar", "grammar-engines"])
     parser.add_argument("--vocab", default="8192,151936")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--repeat", type=int, default=30)
@@ -142,8 +203,10 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     if args.what == "logprobs":
         bench_logprobs([int(v) for v in args.vocab.split(",")], batches, args.repeat)
-    else:
+    elif args.what == "grammar":
         bench_grammar(batches, args.output_len)
+    else:
+        bench_grammar_engines(batches)
 
 
 if __name__ == "__main__":

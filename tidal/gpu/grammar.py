@@ -161,11 +161,14 @@ class Grammars:
         if json_rows:
             # compact JSON never holds a raw control character (JSON forbids them inside strings,
             # and there is no free whitespace); xgrammar's string rule would let them in
-            bitmask[json_rows] &= self._json_tokens
-        index = torch.tensor([i for i, _ in rows], device=logits.device)
+            if len(json_rows) == len(rows):
+                bitmask &= self._json_tokens
+            else:
+                bitmask[json_rows] &= self._json_tokens
         if len(rows) == logits.shape[0]:
             xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
         else:
+            index = torch.tensor([i for i, _ in rows], device=logits.device)
             picked = logits[index]
             xgr.apply_token_bitmask_inplace(picked, bitmask.to(logits.device, non_blocking=True))
             logits[index] = picked
