@@ -249,7 +249,7 @@ def _check(condition: bool, message: str, param: str) -> None:
 
 # What one request may ask of the stop checks the engine runs after every token (docs/admission.md).
 # Matching is linear in the text whatever the stop strings' length (gpu/stop_strings.py); these keep
-# the held-back text, the final search and the stop_token_ids membership test per token small.
+# the held-back text, the final search and what each request carries to the engine small.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 256
@@ -266,6 +266,7 @@ class Validated:
     return_tokens_as_token_ids: bool = False
     structured_param: str | None = None  # the field that set the output constraint
     tools: ToolUse | None = None
+    kind: Literal["chat", "completions"] = "chat"
 
 
 MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's bound)
@@ -475,7 +476,8 @@ def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int
     )
     include_usage = bool(r.stream_options and r.stream_options.include_usage)
     return Validated(params, max_tokens is not None, r.stream, include_usage, r.stream_interval, r.priority,
-                     r.return_tokens_as_token_ids, structured_param, tools)
+                     r.return_tokens_as_token_ids, structured_param, tools,
+                     "chat" if isinstance(r, ChatCompletionRequest) else "completions")
 
 
 def fit_max_tokens(v: Validated, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
@@ -551,9 +553,6 @@ class ChunkEncoder:
 
     def usage_json(self, usage_obj: dict[str, Any]) -> bytes:
         return self._head + b',"choices":[],"usage":' + _json_encode(usage_obj) + b"}"
-
-    def error_json(self, error: ApiError) -> bytes:
-        return error.json()
 
     def full_response(self, text: str, finish_reason: str | None, usage_obj: dict[str, Any],
                       stop_reason: str | int | None, logprobs: Any = None,

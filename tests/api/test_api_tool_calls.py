@@ -155,3 +155,30 @@ def test_128_tools_are_accepted(server):
     tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(128)]
     body = {"model": "tidal-tiny", "messages": MESSAGES, "max_tokens": 2, "tools": tools}
     assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+
+async def test_websocket_streams_carry_tool_calls_and_logprobs(server):
+    """/v1/ws chunks are the SSE chunks: the last carries the calls, every one its logprobs."""
+    import trio
+    import trio_websocket
+
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+            "max_tokens": 60, "temperature": 1.0, "seed": 2, "logprobs": True, "top_logprobs": 2}
+    url = server.url.replace("http://", "ws://") + "/v1/ws"
+    async with trio_websocket.open_websocket_url(url) as ws:
+        await ws.send_message(json.dumps({"type": "request", "id": "t", "endpoint": "chat.completions",
+                                          "body": body}))
+        messages = []
+        with trio.fail_after(60):
+            while not messages or messages[-1]["type"] not in ("done", "error"):
+                messages.append(json.loads(await ws.get_message()))
+    *chunks, done = messages
+    assert done["type"] == "done", done
+    choices = [m["data"]["choices"][0] for m in chunks]
+    assert choices[-1]["finish_reason"] == "tool_calls"
+    [call] = choices[-1]["delta"]["tool_calls"]
+    assert call["function"]["name"] == "get_time" and call["id"].startswith("call_")
+    jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMETERS["get_time"])
+    tokens = [entry for c in choices if c["logprobs"] for entry in c["logprobs"]["content"]]
+    assert len(tokens) == done["usage"]["completion_tokens"]
+    assert all(len(entry["top_logprobs"]) == 2 for entry in tokens)
