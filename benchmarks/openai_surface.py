@@ -3,6 +3,7 @@
     python benchmarks/openai_surface.py logprobs [--vocab 8192,151936]
     python benchmarks/openai_surface.py grammar  [--batches 1,16,64] [--output-len 32]
     python benchmarks/openai_surface.py grammar-engines  (needs llguidance installed)
+    python benchmarks/openai_surface.py n [--prompt-len 1000] [--output-len 32]
 
 ``logprobs``: engine cost of capturing logprobs (log-softmax of the asking rows, top-k on the
 device, the sampled token's value) next to the sampler's own cost for the same batch, and the
@@ -191,9 +192,46 @@ def bench_grammar_engines(batches: list[int], steps: int = 12) -> None:
         print(f"{batch:>5} {xgr_ms:>16.3f} {llg_ms:>18.3f}")
 
 
+def bench_n(prompt_len: int, output_len: int, n: int = 4) -> None:
+    """n choices as forks of one request vs n separate requests of the same prompt, all arriving
+    together: prompt tokens computed (the prefill work) and wall time, tidal-tiny in-process."""
+    from tidal.gpu.engine import Engine
+    from tidal.wire import AddRequest, EngineConfig, SamplingParams
+
+    def run(forked: bool, base: int) -> tuple[int, float]:
+        engine = Engine(EngineConfig(model="tidal-tiny", num_kv_blocks=4096, max_num_batched_tokens=8192))
+        prompt = [(base * 7919 + i) % 8000 + 100 for i in range(prompt_len)]
+        for i in range(n):
+            engine.add_request(AddRequest(base + i, prompt, SamplingParams(max_tokens=output_len, temperature=1.0,
+                                                                           seed=i, ignore_eos=True),
+                                          fork_of=base if forked and i else None))
+        computed = 0
+        execute = engine.runner.execute
+
+        def counting(entries):
+            nonlocal computed
+            computed += sum(num for seq, num in entries if seq.num_computed_tokens < seq.num_prompt_tokens)
+            return execute(entries)
+
+        engine.runner.execute = counting  # type: ignore[method-assign]
+        start = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+            engine.take_report()
+        return computed, time.perf_counter() - start
+
+    run(True, 1)  # warm-up
+    print(f"n={n}, prompt {prompt_len} tokens, {output_len} output tokens each, tidal-tiny")
+    for label, forked, base in (("4 separate requests", False, 1000), (f"one request, n={n}", True, 2000),
+                                ("4 separate requests", False, 3000), (f"one request, n={n}", True, 4000)):
+        computed, seconds = run(forked, base)
+        print(f"  {label:<22} prompt tokens computed {computed:>6}   wall {seconds * 1e3:8.1f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["logprobs", "grammar", "grammar-engines"])
+    parser.add_argument("what", choices=["logprobs", "grammar", "grammar-engines", "n"])
+    parser.add_argument("--prompt-len", type=int, default=1000)
     parser.add_argument("--vocab", default="8192,151936")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--repeat", type=int, default=30)
@@ -203,6 +241,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     if args.what == "logprobs":
         bench_logprobs([int(v) for v in args.vocab.split(",")], batches, args.repeat)
+    elif args.what == "n":
+        bench_n(args.prompt_len, args.output_len)
     elif args.what == "grammar":
         bench_grammar(batches, args.output_len)
     else:

@@ -267,8 +267,10 @@ class Validated:
     structured_param: str | None = None  # the field that set the output constraint
     tools: ToolUse | None = None
     kind: Literal["chat", "completions"] = "chat"
+    n: int = 1
 
 
+MAX_N = 16  # choices per request; each counts as one sequence against the admission bounds
 MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's bound)
 MAX_LEGACY_LOGPROBS = 5  # completions logprobs (OpenAI's bound)
 
@@ -408,7 +410,7 @@ def _forced_tool_call(use: ToolUse | None) -> StructuredOutput | None:
 def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> Validated:
     """Range checks shared by both endpoints. Prompt length is checked after tokenising."""
     r = request
-    _check(r.n == 1, "Only n=1 is supported", "n")
+    _check(1 <= r.n <= MAX_N, f"n must be between 1 and {MAX_N}", "n")
     num_logprobs = _logprobs(r)
     structured, structured_param = structured_output(r)
     tools = tool_use(r)
@@ -477,7 +479,7 @@ def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int
     include_usage = bool(r.stream_options and r.stream_options.include_usage)
     return Validated(params, max_tokens is not None, r.stream, include_usage, r.stream_interval, r.priority,
                      r.return_tokens_as_token_ids, structured_param, tools,
-                     "chat" if isinstance(r, ChatCompletionRequest) else "completions")
+                     "chat" if isinstance(r, ChatCompletionRequest) else "completions", r.n)
 
 
 def fit_max_tokens(v: Validated, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
@@ -513,20 +515,25 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 class ChunkEncoder:
     """Builds one request's stream chunks (SSE frames or WebSocket payload objects)."""
 
-    def __init__(self, kind: Literal["chat", "completions"], model: str):
+    def __init__(self, kind: Literal["chat", "completions"], model: str, index: int = 0,
+                 same_response_as: "ChunkEncoder | None" = None):
         self.kind = kind
-        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
+        self.index = index  # the choice (n > 1); its encoders share the response's id and time
+        if same_response_as is not None:
+            self.id, self.created = same_response_as.id, same_response_as.created
+        else:
+            self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+            self.created = int(time.time())
         self.model = model
         head = {"id": self.id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                 "created": self.created, "model": model}
         self._head = _json_encode(head)[:-1]  # without the closing brace
         if kind == "chat":
-            self._first = self._head + b',"choices":[{"index":0,"delta":{"role":"assistant","content":'
-            self._next = self._head + b',"choices":[{"index":0,"delta":{"content":'
+            self._first = self._head + b',"choices":[{"index":%d,"delta":{"role":"assistant","content":' % index
+            self._next = self._head + b',"choices":[{"index":%d,"delta":{"content":' % index
             self._mid = b'},"logprobs":'
         else:
-            self._first = self._next = self._head + b',"choices":[{"index":0,"text":'
+            self._first = self._next = self._head + b',"choices":[{"index":%d,"text":' % index
             self._mid = b',"logprobs":'
         self._sent_first = False
 
@@ -548,7 +555,7 @@ class ChunkEncoder:
         self._sent_first = True
         delta["content"] = text or None
         delta["tool_calls"] = tool_calls
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._head + b',"choices":[' + _json_encode(choice) + b"]}"
 
     def usage_json(self, usage_obj: dict[str, Any]) -> bytes:
@@ -562,11 +569,11 @@ class ChunkEncoder:
             if tool_calls:
                 message["content"] = text or None
                 message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in tool_calls]
-            choice = {"index": 0, "message": message, "logprobs": logprobs,
+            choice = {"index": self.index, "message": message, "logprobs": logprobs,
                       "finish_reason": finish_reason, "stop_reason": stop_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                       "stop_reason": stop_reason}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,

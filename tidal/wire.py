@@ -90,6 +90,9 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     params: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0
+    # another choice of the same request (n > 1): the engine schedules this one once that one's
+    # prompt is prefilled, so the prompt's full KV blocks come from the prefix cache, not a prefill
+    fork_of: int | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

@@ -61,7 +61,7 @@ BAD_REQUESTS = [
      "maximum context length is 64 tokens"),
     ("prompt-plus-max-tokens-over-context", CHAT, chat_body(max_tokens=60), 400, "max_tokens",
      "maximum context length is 64 tokens"),
-    ("n-2", CHAT, chat_body(n=2), 400, "n", "n=1"),
+    ("n-17", CHAT, chat_body(n=17), 400, "n", "n must be between 1 and 16"),
     ("logprobs-int", CHAT, chat_body(logprobs=3), 400, "logprobs", "boolean"),
     ("empty-stop-string", CHAT, chat_body(stop=[""]), 400, "stop", "must not be empty"),
     ("stop-token-id-out-of-vocab", CHAT, chat_body(stop_token_ids=[10**6]), 400, "stop_token_ids", "8192"),

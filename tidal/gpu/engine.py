@@ -52,6 +52,7 @@ class Engine:
             by_priority=config.scheduling_policy == "priority",
         )
         self.sampler = Sampler()
+        self._forks: dict[int, list[Sequence]] = {}  # parent request id -> choices waiting for its prefill
         self.grammars = Grammars(self.runner.model_dir, self.runner.model_config.vocab_size,
                                  sorted(self.eos_token_ids))
         self.sequences: dict[int, Sequence] = {}
@@ -105,11 +106,20 @@ class Engine:
             # the frontend validates this; the engine still never runs an impossible request
             self._finish(seq, "length")
             return
+        parent = self.sequences.get(msg.fork_of) if msg.fork_of is not None else None
         if params.structured is not None:
             self.grammars.submit(seq)  # compiles off the step loop; scheduled once ready
+        elif parent is not None and not parent.output_token_ids:
+            # another choice of the same prompt (n > 1): wait for the parent's prefill, then take
+            # the prompt's full blocks from the prefix cache instead of computing them again
+            self._forks.setdefault(parent.request_id, []).append(seq)
         else:
             self.scheduler.add(seq)
         self._dirty = True
+
+    def _release_forks(self, parent_id: int) -> None:
+        for seq in self._forks.pop(parent_id, ()):
+            self.scheduler.add(seq)
 
     def abort(self, request_ids: list[int]) -> None:
         """Free the requests' KV blocks now. Unknown or finished ids are a no-op."""
@@ -143,6 +153,8 @@ class Engine:
         tokens, logprobs = self._forward(batch)
         self._apply_late_aborts()  # the abort window: the pass is over, its outputs not yet booked
         for seq in self.scheduler.commit(batch, tokens):
+            if len(seq.output_token_ids) == 1 and seq.request_id in self._forks:
+                self._release_forks(seq.request_id)  # its prompt blocks are in the prefix cache now
             if seq.params.structured is not None and self.grammars.accept(seq, seq.output_token_ids[-1]) \
                     and seq.finish_reason is None:
                 self.scheduler.finish(seq, "stop")  # complete: it took a stop token under ignore_eos
@@ -197,7 +209,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, emit_output: bool = True,
                 error: str | None = None) -> None:
-        if self.grammars.discard(seq.request_id):  # still waiting for its grammar: never scheduled
+        if self.grammars.discard(seq.request_id) or self._unpark(seq):  # never reached the scheduler
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         else:
             self.scheduler.finish(seq, reason)
@@ -207,8 +219,17 @@ class Engine:
                 num_prompt_tokens=seq.num_prompt_tokens, error=error))
         self._forget(seq)
 
+    def _unpark(self, seq: Sequence) -> bool:
+        """Take a choice out of its parent's waiting forks; True if it was waiting there."""
+        for parent_id, forks in self._forks.items():
+            if seq in forks:
+                forks.remove(seq)
+                return True
+        return False
+
     def _forget(self, seq: Sequence) -> None:
         self.grammars.discard(seq.request_id)
+        self._release_forks(seq.request_id)  # a parent that ended before its first token
         del self.sequences[seq.request_id]
         self._finished.append(seq.request_id)
         self._dirty = True
