@@ -221,7 +221,7 @@ class Engine:
 
     def _unpark(self, seq: Sequence) -> bool:
         """Take a choice out of its parent's waiting forks; True if it was waiting there."""
-        for parent_id, forks in self._forks.items():
+        for forks in self._forks.values():
             if seq in forks:
                 forks.remove(seq)
                 return True
