@@ -144,3 +144,26 @@ def test_cancelling_a_constrained_stream_frees_all_kv(server):
             break
         assert time.monotonic() < deadline, m
         time.sleep(0.02)
+
+
+def test_openai_sdk_parse_with_a_pydantic_model(client):
+    """The SDK's ``parse`` helper sends a strict schema built from a pydantic model ($defs, $ref,
+    enums) and parses the answer back into the model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog"]
+        legs: int = Field(ge=0, le=4)
+
+    class Owner(BaseModel):
+        name: str = Field(max_length=10)
+        pets: list[Pet] = Field(max_length=2)
+        verified: bool
+
+    for seed in range(4):
+        out = client.chat.completions.parse(model="tidal-tiny", messages=MESSAGES, temperature=1.0, seed=seed,
+                                            max_tokens=MAX_TOKENS, response_format=Owner)
+        owner = out.choices[0].message.parsed
+        assert isinstance(owner, Owner) and all(isinstance(p, Pet) for p in owner.pets)
