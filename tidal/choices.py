@@ -1,11 +1,11 @@
 """Responses of n > 1 choices: one OutputReader per choice, joined into one response.
 
 Each choice is its own engine request (its own mailbox, finish_reason and random stream; the
-engine forks choices 1..n-1 off choice 0's prefilled prompt). A stream sends the choices one
-after another, each chunk with its ``index``: OpenAI clients assemble choices by index, and
-the choices not being read meanwhile wait in their mailboxes, merged (bounded by
---max-stream-buffer-bytes like any stream). Usage counts the prompt once and sums the
-completions.
+engine forks choices 1..n-1 off choice 0's prefilled prompt). A stream interleaves the choices'
+frames, each chunk with its ``index`` (OpenAI clients assemble choices by index): it serves the
+choices round-robin, taking the next one that has output waiting, and waits on the next one in
+turn when none has (the choices step together, so the others have output by then). Usage counts
+the prompt once and sums the completions.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class ChoicesSseBody:
         # one SseBody per choice, without its own ending; the first writes straight to the socket
         self.bodies = [SseBody(r, e, False, None) for r, e in zip(readers, encoders)]
         self.writer = writer
-        self.current = 0
+        self.open = list(range(len(readers)))  # choices not finished yet
+        self.last = -1  # the choice served last
         self.finished = False
 
     def __aiter__(self) -> "ChoicesSseBody":
@@ -60,16 +61,22 @@ class ChoicesSseBody:
             frame = await self._next_frame()
         return frame
 
+    def _pick(self) -> int:
+        """The next choice to serve: round-robin after the last one, preferring waiting output."""
+        order = sorted(self.open, key=lambda i: (i <= self.last, i))
+        return next((i for i in order if self.readers[i].has_output), order[0])
+
     async def _next_frame(self) -> bytes:
-        body = self.bodies[self.current]
+        index = self.last = self._pick()
+        body = self.bodies[index]
         frame = await body._next_frame()
         if frame.endswith(SSE_DONE):
             frame = frame[: -len(SSE_DONE)]
             if body.reader.error is not None:  # a choice failed: the response ends with its error
                 self.finished = True
                 return frame + SSE_DONE
-            self.current += 1
-            if self.current == len(self.bodies):
+            self.open.remove(index)
+            if not self.open:
                 self.finished = True
                 if self.include_usage:
                     frame += sse(self.encoders[0].usage_json(_usage(self.readers)))

@@ -96,6 +96,11 @@ class OutputReader:
                     self.finish_reason = "tool_calls"
         return content
 
+    @property
+    def has_output(self) -> bool:
+        """Output is waiting to be read (reading it will not block)."""
+        return self._first is not None or self.request.mailbox.has_pending
+
     def take_logprobs(self) -> dict[str, Any] | None:
         """The OpenAI logprobs object of the tokens read since the last call (None if not asked)."""
         if self.logprobs is None:
