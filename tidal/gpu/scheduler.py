@@ -72,7 +72,7 @@ class Scheduler:
         """Take a sequence out (finished or aborted) and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:  # else: never added
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
@@ -88,8 +88,7 @@ class Scheduler:
         return seq.sort_key(self.by_priority)
 
     def _insert(self, queue: list[Sequence], seq: Sequence) -> None:
-        keys = [self._key(s) for s in queue]
-        queue.insert(bisect.bisect(keys, self._key(seq)), seq)
+        bisect.insort(queue, seq, key=self._key)
 
     # ------------------------------------------------------------------ scheduling
 
@@ -101,10 +100,18 @@ class Scheduler:
         prefills: list[tuple[Sequence, int]] = []
 
         # 1. running sequences, most urgent first
+        block_size = blocks.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            num_new = min(uncomputed, budget)
+            if seq.num_computed_tokens + num_new <= len(seq.block_table) * block_size:
+                # the common decode: its last block has room, nothing to allocate
+                (decodes if uncomputed == 1 else prefills).append((seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
             while not blocks.can_allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
@@ -149,13 +156,16 @@ class Scheduler:
         token, in order; those that finished with it have ``finish_reason`` set and are out.
         """
         blocks = self.block_manager
+        block_size = blocks.block_size
+        finished = SequenceStatus.FINISHED
         for seq, num_new in batch.entries:
-            if not seq.is_finished:
+            if seq.status is not finished:
                 seq.num_computed_tokens += num_new
-                blocks.register_full_blocks(seq)
+                if seq.num_computed_tokens // block_size > len(seq.block_hashes):  # a block filled up
+                    blocks.register_full_blocks(seq)
         appended = []
         for seq, token_id in zip(batch.sampling, tokens, strict=True):
-            if seq.is_finished:
+            if seq.status is finished:
                 continue
             reason = seq.append_token(token_id)
             if reason is not None:
