@@ -96,8 +96,11 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         blocks = self.block_manager
-        decodes: list[tuple[Sequence, int]] = []
+        decodes: list[tuple[Sequence, int]] = []  # one-token entries
         prefills: list[tuple[Sequence, int]] = []
+        # the entries that reach their sequence's last token (and so sample), in entry order
+        decodes_sampling: list[Sequence] = []
+        prefills_sampling: list[Sequence] = []
 
         # 1. running sequences, most urgent first
         block_size = blocks.block_size
@@ -106,24 +109,26 @@ class Scheduler:
             seq = self.running[i]
             uncomputed = len(seq.token_ids) - seq.num_computed_tokens
             num_new = min(uncomputed, budget)
-            if seq.num_computed_tokens + num_new <= len(seq.block_table) * block_size:
-                # the common decode: its last block has room, nothing to allocate
-                (decodes if uncomputed == 1 else prefills).append((seq, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            while not blocks.can_allocate(seq, num_new):
-                victim = self.running[-1]
-                self._preempt(victim, batch)
-                if victim is seq:
-                    break
+            if seq.num_computed_tokens + num_new > len(seq.block_table) * block_size:
+                # not the common decode whose last block has room: allocate, or preempt
+                while not blocks.can_allocate(seq, num_new):
+                    victim = self.running[-1]
+                    self._preempt(victim, batch)
+                    if victim is seq:
+                        break
+                else:
+                    blocks.allocate(seq, num_new)
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue  # seq itself was preempted; self.running shrank, do not advance i
+            if uncomputed == 1:
+                decodes.append((seq, 1))
+                decodes_sampling.append(seq)
             else:
-                blocks.allocate(seq, num_new)
-                (decodes if seq.num_uncomputed_tokens == 1 else prefills).append((seq, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            # seq itself was preempted; self.running shrank, do not advance i
+                prefills.append((seq, num_new))
+                if num_new == uncomputed:
+                    prefills_sampling.append(seq)
+            budget -= num_new
+            i += 1
 
         # 2. waiting sequences, in policy order
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -139,11 +144,19 @@ class Scheduler:
             if not seq.started:
                 seq.started = True
                 batch.started.append(seq)
-            (decodes if num_new == 1 else prefills).append((seq, num_new))
+            samples = seq.num_computed_tokens + num_new == seq.num_tokens
+            if num_new == 1:
+                decodes.append((seq, 1))
+                if samples:
+                    decodes_sampling.append(seq)
+            else:
+                prefills.append((seq, num_new))
+                if samples:
+                    prefills_sampling.append(seq)
             budget -= num_new
 
         batch.entries = decodes + prefills
-        batch.sampling = [seq for seq, n in batch.entries if seq.num_computed_tokens + n == seq.num_tokens]
+        batch.sampling = decodes_sampling + prefills_sampling
         return batch
 
     # ------------------------------------------------------------------ after the forward pass
