@@ -36,7 +36,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first schedule)
-    block_hashes: list[int] = field(default_factory=list)  # content hash of each full block
+    block_hashes: list[bytes] = field(default_factory=list)  # content digest of each full block
     started: bool = False  # has been scheduled at least once (left the queue)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
