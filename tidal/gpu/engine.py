@@ -1,12 +1,16 @@
 """The engine: requests in, one step at a time, outputs out. No I/O here.
 
-``step()`` tells the whole story of one iteration::
+One step is::
 
     batch  = scheduler.schedule()              # who runs, how many tokens each
     tokens = forward(batch)                    # one pass over the paged cache, one token per sampler
     apply_late_aborts()                        # the abort window: aborts that arrived mid-forward
     scheduler.commit(batch, tokens)            # append, check stops, free what finished
     emit(...)                                  # detokenize, one RequestOutput per new token
+
+The forward pass runs on its own thread, and ``step()`` launches the next step's forward
+right after the commit, before emitting: building and sending one step's outputs overlaps
+the next step's pass, and only abort window + commit + schedule run between two passes.
 
 Outputs, first-schedule events and finished ids collect in a pending report that the
 process loop sends after each step (``take_report``).
