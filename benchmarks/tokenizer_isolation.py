@@ -9,6 +9,7 @@ the statuses of the long requests and how long the last took to be answered.
     python benchmarks/tokenizer_isolation.py                       # 20 prompts of 1 MB
     python benchmarks/tokenizer_isolation.py --chars 250000       # tokenised, then refused
     PYTHONPATH=/other/checkout python benchmarks/tokenizer_isolation.py --no-path   # another version
+    python benchmarks/tokenizer_isolation.py --gil     # does encode / encode_batch release the GIL?
 """
 
 from __future__ import annotations
@@ -68,12 +69,40 @@ async def measure(url: str, prompts: int, chars: int) -> str:
             f"{dict(sorted(statuses.items()))}, last answered after {max(answered):.2f} s")
 
 
+def gil() -> None:
+    """Encode 1 MB in a thread while the main thread wakes every 1 ms; print its longest gap."""
+    import threading
+
+    from tokenizers import Tokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import tidal
+
+    tokenizer = Tokenizer.from_file(os.path.join(os.path.dirname(tidal.__file__), "assets", "tidal-tiny",
+                                                 "tokenizer.json"))
+    text = ((PROMPT + ". ") * 30000)[:1_000_000]
+    for name, encode in (("encode", lambda: tokenizer.encode(text)),
+                         ("encode_batch", lambda: tokenizer.encode_batch([text]))):
+        worker = threading.Thread(target=encode)
+        start = last = time.perf_counter()
+        longest = 0.0
+        worker.start()
+        while worker.is_alive():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            longest, last = max(longest, now - last), now
+        print(f"{name}: {now - start:.2f} s for 1 MB; the main thread's longest gap {longest * 1e3:.0f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--chars", type=int, default=1_000_000)
     parser.add_argument("--no-path", action="store_true", help="import tidal from PYTHONPATH, not this checkout")
+    parser.add_argument("--gil", action="store_true", help="only measure whether tokenizers releases the GIL")
     args = parser.parse_args()
+    if args.gil:
+        return gil()
     env = dict(os.environ)
     if not args.no_path:
         env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
