@@ -20,10 +20,17 @@ def _queue_bound(text: str) -> float:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default="tidal-tiny",
-                   help="A local Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or "
-                        "'tidal-tiny', the embedded 7M-parameter Llama with deterministic weights (default).")
+                   help="A Hugging Face Hub id (ORG/NAME; downloaded once into the Hub cache), a local Hugging "
+                        "Face model directory (config.json, *.safetensors, tokenizer.json), or 'tidal-tiny', the "
+                        "embedded 7M-parameter Llama with deterministic weights (default).")
+    g.add_argument("--revision", default=None,
+                   help="Hub ids only: the branch, tag or commit to serve (default: main).")
+    g.add_argument("--download-dir", default=None,
+                   help="Hub ids only: the cache directory to download into and look in (default: the Hugging "
+                        "Face cache, $HF_HOME/hub).")
     g.add_argument("--served-model-name", default=None,
-                   help="The model name clients send and /v1/models lists (default: the --model value).")
+                   help="The model name clients send and /v1/models lists (default: the --model value, the "
+                        "Hub id for a Hub model).")
     g.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu or cuda[:N].")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="Weights and activations dtype. auto: bfloat16 on CUDA, float32 on CPU.")
@@ -136,6 +143,16 @@ def _check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         p.error("--num-kv-blocks must be at least 1")
 
 
+def _resolve_hub_model(args: argparse.Namespace) -> None:
+    """A Hub id becomes its local snapshot here, once, before any engine starts (docs/scaling.md)."""
+    from tidal.hub import is_hub_id, resolve_hub_model
+
+    if is_hub_id(args.model):
+        path = resolve_hub_model(args.model, args.revision, args.download_dir)
+        args.served_model_name = args.served_model_name or args.model
+        args.model = path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tidal", description="An OpenAI-compatible LLM server on Trio.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
 
     _check_engine_args(serve_p, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tidal.hub import ModelNotAvailable
+
+    try:
+        _resolve_hub_model(args)
+    except ModelNotAvailable as exc:  # the same exit code as a bad local model directory
+        logging.getLogger("tidal.server").error("exiting: %s", exc)
+        return 3
     try:
         config = server_config(args)
     except ValueError as exc:
