@@ -2,11 +2,11 @@
 
 Called once per admitted request (``route``), synchronously, on the event loop. The policy:
 
-1. **Load** of a replica = the requests the frontend has routed to it and not yet seen end
-   (exact: the frontend counts them itself), or what the replica last reported running + waiting
-   if that is more (aborts the engine has not applied yet), plus a full batch
-   (``max_num_seqs``) when its last report shows too few free KV blocks for this prompt: such a
-   replica would make the request wait for blocks, or preempt.
+1. **Load** of a replica = the requests routed to it that its reports have not yet listed as
+   finished (its running and waiting sequences plus those still in the pipe: exact, where the
+   reported counts alone lag by a step), plus a full batch (``max_num_seqs``) when its last report
+   shows too few free KV blocks for this prompt: such a replica would make the request wait for
+   blocks, or preempt.
 2. **Prefix affinity.** The router remembers, per replica, the hashes of the block-aligned prompt
    prefixes it sent there (chained like the engine's prefix cache, so a hit on block *k* means
    blocks 0..k all match), at most as many as the replica's KV cache has blocks, least recently
@@ -51,12 +51,12 @@ class ReplicaView:
     stats: Callable[[], EngineStats] = field(default=EngineStats)  # its latest report
     up: bool = False
     generation: int = 0  # bumped by every start: requests of an earlier life are not counted
-    num_assigned: int = 0  # routed here, not yet ended (the frontend's exact count)
+    num_assigned: int = 0  # routed here and not yet reported finished
     prefixes: OrderedDict = field(default_factory=OrderedDict)  # prefix hash -> None, LRU order
 
     def load(self, num_blocks_needed: int) -> int:
         stats = self.stats()
-        load = max(self.num_assigned, stats.num_running + stats.num_waiting)
+        load = self.num_assigned
         if stats.num_total_blocks and stats.num_total_blocks - stats.num_used_blocks < num_blocks_needed:
             load += self.max_num_seqs  # it would wait for KV blocks (or preempt) before serving this one
         return load
@@ -150,8 +150,8 @@ class Router:
             chosen.remember(hashes)
         return Decision(chosen.index, chosen.generation, reason, cached.get(chosen.index, 0))
 
-    def release(self, index: int, generation: int) -> None:
-        """A request routed to ``index`` in its life ``generation`` ended (finished, aborted, rejected)."""
+    def release(self, index: int, generation: int, count: int = 1) -> None:
+        """The replica reported a request routed to it in its life ``generation`` finished (or aborted)."""
         view = self.replicas[index]
-        if view.generation == generation and view.num_assigned > 0:
-            view.num_assigned -= 1
+        if view.generation == generation:
+            view.num_assigned = max(0, view.num_assigned - count)
