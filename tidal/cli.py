@@ -55,6 +55,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-threads", type=int, default=None, help="torch threads in the engine (default: "
                    "torch's default, one per core).")
     g.add_argument("--seed", type=int, default=0, help="Engine RNG seed for unseeded sampling.")
+    g.add_argument("--data-parallel-size", "--dp-size", type=int, default=1,
+                   help="Engine replicas, each its own process with the whole model (on CUDA: replica k on "
+                        "GPU k). Requests are routed to the least loaded, preferring the one that caches "
+                        "their prompt prefix (docs/scaling.md). Default 1.")
+    g.add_argument("--engine-restarts", type=int, default=None,
+                   help="Times a dead engine replica is restarted in a row (backoff 1, 2, 4 ... s) before it "
+                        "is given up. Default: 5 with --data-parallel-size > 1; 0 with one replica, which "
+                        "keeps the server's behaviour of exiting with code 3 when its engine dies.")
     g.add_argument("--min-step-time", type=float, default=0.0, help=argparse.SUPPRESS)  # test model knob
 
     g = p.add_argument_group("server")
@@ -129,6 +137,8 @@ def server_config(args: argparse.Namespace):
         max_ws_requests_per_connection=args.max_ws_requests_per_connection,
         shutdown_timeout=args.shutdown_timeout,
         engine_heartbeat_timeout=args.engine_heartbeat_timeout,
+        data_parallel_size=args.data_parallel_size,
+        engine_restarts=args.engine_restarts,
         log_level=args.log_level,
     )
 
@@ -141,6 +151,10 @@ def _check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         p.error("--max-model-len must be at least 2")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         p.error("--num-kv-blocks must be at least 1")
+    if args.data_parallel_size < 1:
+        p.error("--data-parallel-size must be at least 1")
+    if args.engine_restarts is not None and args.engine_restarts < 0:
+        p.error("--engine-restarts must be >= 0")
 
 
 def _resolve_hub_model(args: argparse.Namespace) -> None:

@@ -130,6 +130,11 @@ class ReplicaSet:
                 setattr(total, name, getattr(total, name) + getattr(s, name))
         return total
 
+    def snapshot(self) -> list[tuple[int, bool, EngineStats, int]]:
+        """(index, serving, latest stats, restarts) of every replica, for /metrics."""
+        return [(r.index, r.state is ReplicaState.SERVING, r.client.stats if r.client else EngineStats(),
+                 r.num_restarts) for r in self.replicas]
+
     async def health(self, timeout: float = 2.0) -> str | None:
         """None if at least one replica answers a ping within ``timeout``; else why not."""
         serving = self.serving
