@@ -23,20 +23,32 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import trio
 
 from tidal.engine_client import EngineClient, EngineDead, EngineStartError
 from tidal.router import Decision, NoReplica, Router
-from tidal.wire import EngineStats, Ready, StepReport
+from tidal.wire import EngineConfig, EngineStats, Ready, StepReport
 
 log = logging.getLogger("tidal.replicas")
 
 RESTART_BACKOFF = 1.0  # seconds before the first restart; doubled per failure in a row
 MAX_RESTART_BACKOFF = 30.0
 STABLE_AFTER = 60.0  # a replica that served this long has its run of failures forgotten
+
+
+def replica_config(config: EngineConfig, index: int, num_replicas: int) -> EngineConfig:
+    """Replica ``index``'s engine settings: its rank (its GPU on CUDA) and, unless given, a fair
+    share of the CPU cores for its torch threads (N engines with a thread per core each would
+    fight over every core)."""
+    threads = config.num_threads
+    if threads is None and num_replicas > 1:
+        threads = max(1, (os.cpu_count() or 1) // num_replicas)
+    return msgspec.structs.replace(config, data_parallel_rank=index, num_threads=threads)
 
 
 class ReplicaState(enum.Enum):
@@ -109,6 +121,11 @@ class ReplicaSet:
         return bool(self.serving)
 
     @property
+    def dead(self) -> str | None:
+        """Why no request can be served now (None while a replica serves)."""
+        return None if self.serving else self.why_down()
+
+    @property
     def max_num_seqs(self) -> int:
         """Sequences the serving replicas run at once: the base of the global admission bound."""
         return self.router.total_max_num_seqs
@@ -116,6 +133,9 @@ class ReplicaSet:
     def why_down(self) -> str:
         if not self.ever_served:
             return "still starting"
+        if len(self.replicas) == 1:  # as without replicas: the engine's own reason
+            replica = self.replicas[0]
+            return replica.last_error or f"the engine is {replica.state.value}"
         errors = "; ".join(f"replica {r.index} {r.state.value}: {r.last_error}" for r in self.replicas)
         return f"no engine replica is serving ({errors})"
 
@@ -228,11 +248,13 @@ class _ReplicaListener:
     def on_report(self, report: StepReport, engine: EngineClient) -> None:
         if report.finished:
             self.replicas.router.release(self.replica.index, self.generation, len(report.finished))
-        self.replicas.listener.on_report(report, engine)
+        if self.replicas.listener is not None:  # None until the frontend exists (start-up)
+            self.replicas.listener.on_report(report, engine)
 
     def on_engine_dead(self, engine: EngineClient, why: str) -> None:
         self.replicas.router.replica_down(self.replica.index)  # no new request goes there from now on
         if self.replica.state is ReplicaState.SERVING:
             self.replica.state = ReplicaState.RESTARTING
         self.replica.last_error = why
-        self.replicas.listener.on_engine_dead(engine, why)
+        if self.replicas.listener is not None:
+            self.replicas.listener.on_engine_dead(engine, why)

@@ -30,6 +30,8 @@ from tidal.config import ServerConfig
 from tidal.engine_client import EngineClient, EngineDead, channel_capacity
 from tidal.frontend import Frontend, request_scope_middleware
 from tidal.metrics import Metrics
+from tidal.replicas import ReplicaSet, replica_config
+from tidal.router import Router
 from tidal.tokenizer import PromptTokenizer
 
 log = logging.getLogger("tidal.server")
@@ -42,15 +44,23 @@ class Server:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.metrics = Metrics(config.model_name)
-        max_in_flight = config.max_queued_requests + config.engine.max_num_seqs
-        self.engine = EngineClient(
-            config.engine,
-            channel_capacity=channel_capacity(max_in_flight),
-            heartbeat_interval=config.engine_heartbeat_interval,
-            heartbeat_timeout=config.engine_heartbeat_timeout,
-            start_timeout=config.engine_start_timeout,
-        )
+        num_replicas = config.data_parallel_size
+        self.metrics = m = Metrics(config.model_name, num_replicas)
+        # admission bounds what all replicas hold together; any one replica may get all of it
+        max_in_flight = config.max_queued_requests + config.engine.max_num_seqs * num_replicas
+
+        def make_client(index: int) -> EngineClient:
+            return EngineClient(
+                replica_config(config.engine, index, num_replicas),
+                channel_capacity=channel_capacity(max_in_flight),
+                heartbeat_interval=config.engine_heartbeat_interval,
+                heartbeat_timeout=config.engine_heartbeat_timeout,
+                start_timeout=config.engine_start_timeout,
+            )
+
+        router = Router(num_replicas, config.engine.block_size, prefix_affinity=config.engine.enable_prefix_caching)
+        self.engine = ReplicaSet(make_client, num_replicas, router, max_restarts=config.max_engine_restarts)
+        self.engine.on_routed = lambda d: m.routed.labels(m.model_name, str(d.index), d.reason).inc()
         self.frontend: Frontend | None = None
         self.urls: list[str] = []
         self.stopping = False
@@ -62,10 +72,12 @@ class Server:
         async with trio.open_nursery() as nursery:
             ready = await nursery.start(self._run_engine)
             tokenizer = await PromptTokenizer.load(ready.model, cfg.tokenizer_workers)
-            frontend = self.frontend = Frontend(cfg, self.engine, self.metrics, ready.max_num_seqs)
+            frontend = self.frontend = Frontend(cfg, self.engine, self.metrics,
+                                                ready.max_num_seqs * cfg.data_parallel_size)
             api = Api(frontend, tokenizer, cfg.model_name, ready.max_model_len, ready.vocab_size)
             app = create_app(api, cfg.api_key, cfg.max_request_body_bytes,
-                             lambda: self.metrics.render(self.engine.stats, len(frontend.active)),
+                             lambda: self.metrics.render(self.engine.stats(), len(frontend.active),
+                                                         self.engine.snapshot()),
                              self._health_check, cfg.max_ws_requests_per_connection)
             app.config["BODY_TIMEOUT"] = cfg.body_timeout
             asgi = request_scope_middleware(app, lambda: frontend)
@@ -80,7 +92,8 @@ class Server:
             self.urls = await nursery.start(partial(hypercorn.trio.serve, asgi, hconfig,
                                                     shutdown_trigger=self._shutdown.wait))
             nursery.start_soon(frontend.watch_stalls)
-            log.info("tidal ready: serving %s at %s (engine pid %d)", cfg.model_name, self.urls[0], ready.pid)
+            pids = ", ".join(str(r.ready.pid) for r in self.engine.replicas if r.ready is not None)
+            log.info("tidal ready: serving %s at %s (engine pid %s)", cfg.model_name, self.urls[0], pids)
             task_status.started(self.urls)
             await self._stopped.wait()
             nursery.cancel_scope.cancel()
@@ -88,18 +101,15 @@ class Server:
     async def _run_engine(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
             await self.engine.run(task_status=task_status)
-        except EngineDead:
-            if self.engine.ready is not None:  # failed while serving: let the errors reach clients
+        except* EngineDead:
+            if self.engine.ever_served:  # failed while serving: let the errors reach clients
                 with trio.CancelScope(shield=True):
                     await trio.sleep(ENGINE_FAILURE_GRACE)
             raise
 
     async def _health_check(self) -> str | None:
-        if not self.engine.healthy:
-            return self.engine.dead or "starting"
-        if await self.engine.ping(timeout=2.0) is None:
-            return self.engine.dead or "no answer from the engine within 2 s"
-        return None
+        """None (200) while at least one engine replica answers; else why not (503)."""
+        return await self.engine.health(timeout=2.0)
 
     async def stop(self) -> None:
         """Graceful stop: refuse new requests, drain for --shutdown-timeout, abort the rest, exit."""
