@@ -14,6 +14,8 @@ import signal
 
 import psutil
 import pytest
+import trio
+from admission.admission_clients import StreamResult, async_client, stream
 from cancellation.cancel_helpers import RawHttp, completion_body, poll, scrape, scrape_health, unique_prompt
 from live_server import LiveServer
 
@@ -144,3 +146,19 @@ def test_one_replica_with_restarts_comes_back_instead_of_exiting():
         ok = RawHttp(server.port, "/v1/completions", completion_body(unique_prompt(8, seed=500), 4, stream=False))
         assert ok.read_head() == 200
         ok.close()
+
+
+async def test_the_admission_bound_is_global_over_the_replicas():
+    """Two replicas of two slots each and two queue places: six in flight, the seventh refused."""
+    with LiveServer("--data-parallel-size", "2", "--max-num-seqs", "2", "--max-queued-requests", "2",
+                    "--min-step-time", "0.05", "--num-kv-blocks", "128") as server:
+        results = [StreamResult() for _ in range(12)]
+        async with async_client(server) as client, trio.open_nursery() as nursery:
+            for r in results:
+                nursery.start_soon(stream, client, completion_body(unique_prompt(8, seed=700), 30),
+                                   "/v1/completions", r)
+        statuses = sorted(r.status for r in results)
+        assert statuses == [200] * 6 + [503] * 6
+        assert all(r.finish_reason == "length" for r in results if r.status == 200)
+        m = server.wait_idle()
+        assert per_replica(m, "tidal:requests_routed_total", reason="load") == [3, 3]

@@ -3,15 +3,18 @@
 Nursery nesting is lifetime nesting::
 
     serve()                                   root nursery
-      EngineClient.run                        engine process + writer/demux/heartbeat tasks
+      ReplicaSet.run                          one supervisor per engine replica (tidal/replicas.py)
+        EngineClient.run                      engine process + writer/demux/heartbeat tasks
       hypercorn.trio.serve                    one task per connection; quart-trio one per request
       Frontend.watch_stalls                   slow-client watchdog
       _handle_signals                         SIGINT/SIGTERM: drain, then stop
 
-Policy on engine failure: every request in flight is failed at once (the engine client
-closes their mailboxes), /health answers 503, and after a one-second grace for those
-errors to reach the clients ``serve`` raises ``EngineDead``: the process exits non-zero
-so that a supervisor (systemd, Kubernetes) restarts it.
+Policy on engine failure: every request in flight on the failed engine is failed at once.
+With one engine and no ``--engine-restarts``, /health answers 503, and after a one-second
+grace for those errors to reach the clients ``serve`` raises ``EngineDead``: the process
+exits non-zero so that a supervisor (systemd, Kubernetes) restarts it. With replicas the
+others keep serving and the dead one is restarted (docs/scaling.md); the process exits only
+when no replica is left.
 """
 
 from __future__ import annotations
