@@ -2,11 +2,16 @@
 
     python benchmarks/data_parallel.py                   # tidal-tiny, c=64, 128 in / 128 out, 2 rounds
     python benchmarks/data_parallel.py --rounds 1 --num-prompts 64
+    python benchmarks/data_parallel.py --min-step-time 0.05 --output-len 64   # a device-bound engine
 
 Throughput: starts ``tidal serve`` with each data-parallel size in turn (DP=1, DP=2, DP=1, DP=2 ...:
 alternating rounds so the shared machine's noise hits both alike) and drives it with ``tidal bench``
 (chat, random prompts, ``--ignore-eos``). Engine threads are split the way the server splits them:
 DP=1 gets torch's default (one per core), each of N replicas gets cores / N.
+
+``--min-step-time S`` makes every engine step last at least S seconds, as when the engine waits on an
+accelerator rather than computing on the CPU it shares with the frontend: it shows what replicas
+buy once the CPU is not the bottleneck.
 
 Routing cost: ``Router.route`` + ``release`` for 128-token prompts over 2 replicas with 64 requests
 in flight (the prefix index warm), in-process, as microseconds per request.
@@ -34,7 +39,7 @@ from live_server import LiveServer  # noqa: E402
 
 def bench_server(dp: int, args) -> dict:
     flags = ["--model", args.model, "--data-parallel-size", str(dp), "--num-kv-blocks", str(args.num_kv_blocks),
-             "--log-level", "warning"]
+             "--log-level", "warning", "--min-step-time", str(args.min_step_time)]
     with LiveServer(*flags, start_timeout=300) as server, tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "tidal", "bench", "--base-url", server.url, "--endpoint", "chat",
                "--num-prompts", str(args.num_prompts), "--concurrency", str(args.concurrency),
@@ -71,6 +76,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-kv-blocks", type=int, default=2048)
+    p.add_argument("--min-step-time", type=float, default=0.0)
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     results: dict[int, list[dict]] = {dp: [] for dp in sizes}
@@ -78,7 +84,7 @@ def main() -> None:
         for dp in sizes:
             results[dp].append(bench_server(dp, args))
     print(f"{args.model}, chat, {args.input_len} in / {args.output_len} out, c={args.concurrency}, "
-          f"{args.num_prompts} prompts, {os.cpu_count()} cores\n")
+          f"{args.num_prompts} prompts, min step time {args.min_step_time} s, {os.cpu_count()} cores\n")
     print("| data-parallel size | output tok/s per round | TTFT p50 ms | TPOT mean ms |")
     print("|---:|---|---:|---:|")
     for dp in sizes:

@@ -89,7 +89,7 @@ async def test_starts_all_routes_across_them_and_counts_reported_finishes(autoju
             first.listener.on_report(StepReport([], [], [1, 3], first.stats), first)
             assert [v.num_assigned for v in replicas.router.replicas] == [0, 2]
             assert frontend.reports[0][1] is first  # handed on to the frontend, naming the replica
-            assert replicas.max_num_seqs == 16 and await replicas.health() is None
+            assert len(replicas.serving) == 2 and await replicas.health() is None
             nursery.cancel_scope.cancel()
 
 
@@ -104,7 +104,7 @@ async def test_a_dead_replica_is_replaced_while_the_other_serves(autojump_clock)
             assert frontend.deaths == [(first, "engine process exited (code -9)")]
             assert [r.state for r in replicas.replicas] == [ReplicaState.RESTARTING, ReplicaState.SERVING]
             assert {replicas.pick(prompt(n)).index for n in range(4)} == {1}
-            assert replicas.max_num_seqs == 8 and await replicas.health() is None
+            assert len(replicas.serving) == 1 and await replicas.health() is None
             # backoff 1 s, then 0.5 s to load: serving again at t = 0.5 + 1 + 0.5
             while replicas.replicas[0].state is not ReplicaState.SERVING:
                 await trio.sleep(0.01)

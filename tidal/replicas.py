@@ -125,11 +125,6 @@ class ReplicaSet:
         """Why no request can be served now (None while a replica serves)."""
         return None if self.serving else self.why_down()
 
-    @property
-    def max_num_seqs(self) -> int:
-        """Sequences the serving replicas run at once: the base of the global admission bound."""
-        return self.router.total_max_num_seqs
-
     def why_down(self) -> str:
         if not self.ever_served:
             return "still starting"

@@ -123,11 +123,6 @@ class Router:
     def num_up(self) -> int:
         return sum(view.up for view in self.replicas)
 
-    @property
-    def total_max_num_seqs(self) -> int:
-        """Sequences the live replicas can run at once (the global admission bound's base)."""
-        return sum(view.max_num_seqs for view in self.replicas if view.up)
-
     # ------------------------------------------------------------------ requests
 
     def route(self, prompt_token_ids: Sequence[int]) -> Decision:
