@@ -90,6 +90,7 @@ async def test_starts_all_routes_across_them_and_counts_reported_finishes(autoju
             assert [v.num_assigned for v in replicas.router.replicas] == [0, 2]
             assert frontend.reports[0][1] is first  # handed on to the frontend, naming the replica
             assert len(replicas.serving) == 2 and await replicas.health() is None
+            assert replicas.stats.num_total_blocks == 200  # the server-wide gauges sum the replicas
             nursery.cancel_scope.cancel()
 
 

@@ -134,8 +134,10 @@ class ReplicaSet:
         errors = "; ".join(f"replica {r.index} {r.state.value}: {r.last_error}" for r in self.replicas)
         return f"no engine replica is serving ({errors})"
 
+    @property
     def stats(self) -> EngineStats:
-        """The serving replicas' latest stats, summed (steps: the most any replica ran)."""
+        """The serving replicas' latest stats, summed (steps: the most any replica ran); an attribute,
+        as ``EngineClient.stats`` is."""
         total = EngineStats()
         for replica in self.serving:
             s = replica.client.stats  # type: ignore[union-attr]

@@ -81,7 +81,7 @@ class Server:
                                                 ready.max_num_seqs * cfg.data_parallel_size)
             api = Api(frontend, tokenizer, cfg.model_name, ready.max_model_len, ready.vocab_size)
             app = create_app(api, cfg.api_key, cfg.max_request_body_bytes,
-                             lambda: self.metrics.render(self.engine.stats(), len(frontend.active),
+                             lambda: self.metrics.render(self.engine.stats, len(frontend.active),
                                                          self.engine.snapshot()),
                              self._health_check, cfg.max_ws_requests_per_connection)
             app.config["BODY_TIMEOUT"] = cfg.body_timeout
