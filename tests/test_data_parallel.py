@@ -162,3 +162,22 @@ async def test_the_admission_bound_is_global_over_the_replicas():
         assert all(r.finish_reason == "length" for r in results if r.status == 200)
         m = server.wait_idle()
         assert per_replica(m, "tidal:requests_routed_total", reason="load") == [3, 3]
+
+
+def test_a_hung_replica_is_killed_and_replaced_while_the_other_serves():
+    """SIGSTOP one replica: no heartbeat answer within 2 s, so it is killed, its streams fail, it restarts."""
+    with LiveServer(*FLAGS, "--engine-heartbeat-timeout", "2") as server:
+        streams = open_streams(server, [unique_prompt(8, seed=800 + i) for i in range(2)], max_tokens=200)
+        poll(server, lambda m: per_replica(m, "tidal:replica_num_requests_running") == [1, 1])
+        hung, other = engine_pids(server)
+        os.kill(hung, signal.SIGSTOP)
+        ends = []
+        for stream in streams:
+            last = json.loads(stream.rest_of_stream()[-2])
+            ends.append("error" if "error" in last else last["choices"][0]["finish_reason"])
+            stream.close()
+        assert sorted(ends) == ["error", "length"]  # the other replica's stream ran to its end
+        m = poll(server, lambda m: m["tidal:replicas_live"] == 2, timeout=60)
+        assert sum(per_replica(m, "tidal:replica_restarts")) == 1
+        assert not psutil.pid_exists(hung) or psutil.Process(hung).status() == psutil.STATUS_ZOMBIE
+        assert other in engine_pids(server) and scrape_health(server) == 200
