@@ -24,9 +24,12 @@ log = logging.getLogger("tidal.engine")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, data_parallel_rank: int = 0) -> torch.device:
+    """``auto`` and ``cuda`` give data-parallel replica k the k-th GPU (wrapping); ``cuda:N`` is as given."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", data_parallel_rank % torch.cuda.device_count())
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
@@ -45,7 +48,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, config.data_parallel_rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = resolve_model_dir(config.model)
         self.attention = select_attention_backend(config.attention_backend, self.device)
