@@ -47,7 +47,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: Triton kernels on CUDA, torch on CPU. Force either.")
     g.add_argument("--engine-threads", type=int, default=None, help="torch threads in the engine (default: "
                    "torch's default, one per core).")
-    g.add_argument("--seed", type=int, default=0, help="Engine RNG seed for unseeded sampling.")
+    g.add_argument("--seed", type=int, default=0, help="Engine RNG seed for requests without a 'seed' (default 0).")
     g.add_argument("--min-step-time", type=float, default=0.0, help=argparse.SUPPRESS)  # test model knob
 
     g = p.add_argument_group("server")
@@ -60,7 +60,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="Send a stream frame every K tokens (plus the last); per-request 'stream_interval' "
                         "overrides it. Default 1.")
     g.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="413 above this (default 16 MiB).")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="Log level of the server (default info); the engine process logs at TIDAL_ENGINE_LOG_LEVEL "
+                        "(default WARNING).")
+    g.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="Do not serve the chat page at / (docs/ui.md). The API is unaffected.")
 
     g = p.add_argument_group("admission and backpressure (see docs/admission.md)")
     g.add_argument("--max-queued-requests", type=_queue_bound, default=256,
@@ -123,6 +127,7 @@ def server_config(args: argparse.Namespace):
         shutdown_timeout=args.shutdown_timeout,
         engine_heartbeat_timeout=args.engine_heartbeat_timeout,
         log_level=args.log_level,
+        ui=args.ui,
     )
 
 

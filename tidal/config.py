@@ -29,6 +29,7 @@ class ServerConfig:
     engine_heartbeat_timeout: float = 10.0
     engine_start_timeout: float = 600.0
     log_level: str = "info"
+    ui: bool = True  # the chat page at / (docs/ui.md)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -6,6 +6,7 @@ Nursery nesting is lifetime nesting::
       EngineClient.run                        engine process + writer/demux/heartbeat tasks
       hypercorn.trio.serve                    one task per connection; quart-trio one per request
       Frontend.watch_stalls                   slow-client watchdog
+      ServerState.sample                      abort counts for /state's last-minute window
       _handle_signals                         SIGINT/SIGTERM: drain, then stop
 
 Policy on engine failure: every request in flight is failed at once (the engine client
@@ -30,7 +31,9 @@ from tidal.config import ServerConfig
 from tidal.engine_client import EngineClient, EngineDead, channel_capacity
 from tidal.frontend import Frontend, request_scope_middleware
 from tidal.metrics import Metrics
+from tidal.server_state import ServerState
 from tidal.tokenizer import PromptTokenizer
+from tidal.ui import register_state, register_ui
 
 log = logging.getLogger("tidal.server")
 
@@ -67,6 +70,10 @@ class Server:
             app = create_app(api, cfg.api_key, cfg.max_request_body_bytes,
                              lambda: self.metrics.render(self.engine.stats, len(frontend.active)),
                              self._health_check, cfg.max_ws_requests_per_connection)
+            state = ServerState(self.metrics, lambda: self.engine.stats, lambda: len(frontend.active))
+            register_state(app, state)
+            if cfg.ui:
+                register_ui(app)
             asgi = request_scope_middleware(app, lambda: frontend)
             fast_send.install()
             hconfig = hypercorn.config.Config()
@@ -78,6 +85,7 @@ class Server:
             self.urls = await nursery.start(partial(hypercorn.trio.serve, asgi, hconfig,
                                                     shutdown_trigger=self._shutdown.wait))
             nursery.start_soon(frontend.watch_stalls)
+            nursery.start_soon(state.sample)
             log.info("tidal ready: serving %s at %s (engine pid %d)", cfg.model_name, self.urls[0], ready.pid)
             task_status.started(self.urls)
             await self._stopped.wait()

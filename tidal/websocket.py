@@ -10,13 +10,13 @@ docs/websocket.md.
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 import msgspec
 import trio
 from quart import websocket
 
+from tidal import ws_auth
 from tidal.api import Api
 from tidal.frontend import ShutdownAbort
 from tidal.protocol import ApiError, ChunkEncoder, bad_request
@@ -46,16 +46,17 @@ def _error_message(request_id: Any, error: ApiError) -> str:
 def register_websocket(app, api: Api, max_requests: int, api_key: str | None) -> None:
     @app.websocket("/v1/ws")
     async def ws_endpoint():
+        subprotocol = ws_auth.accepted_subprotocol(websocket.requested_subprotocols)
         if api_key is not None:
-            header = websocket.headers.get("Authorization", "")
-            if not hmac.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
-                await websocket.accept()
+            offered = ws_auth.offered_key(websocket.headers, websocket.requested_subprotocols)
+            if not ws_auth.key_matches(offered, api_key):
+                await websocket.accept(subprotocol=subprotocol)
                 await websocket.send(_error_message(None, ApiError(
                     401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
                     "authentication_error", None, "invalid_api_key")))
                 await websocket.close(1008)
                 return
-        await websocket.accept()
+        await websocket.accept(subprotocol=subprotocol)
         await Connection(api, max_requests).serve()
 
 

@@ -32,5 +32,5 @@ def api_server():
 @pytest.fixture(scope="package")
 def ws_server():
     with LiveServer("--min-step-time", str(WS_STEP_TIME), "--max-num-seqs", str(WS_MAX_NUM_SEQS),
-                    "--max-queued-requests", str(WS_MAX_QUEUED), "--num-kv-blocks", "128") as server:
+                    "--max-queued-requests", str(WS_MAX_QUEUED), "--num-kv-blocks", "128", "--no-ui") as server:
         yield server
