@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import math
 import sys
@@ -141,6 +142,18 @@ def _check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         p.error("--num-kv-blocks must be at least 1")
 
 
+def _unknown_arguments(p: argparse.ArgumentParser, unknown: list[str]) -> None:
+    flags = [flag for action in p._actions for flag in action.option_strings]
+    hints = []
+    for arg in unknown:
+        name = arg.split("=", 1)[0]
+        if name.startswith("-"):
+            close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{name}: did you mean {close[0]}?")
+    p.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"\n  {hint}" for hint in hints))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tidal", description="An OpenAI-compatible LLM server on Trio.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     from tidal import bench
 
     bench.add_arguments(bench_p)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage and the nearest flag, not the top-level usage
+        _unknown_arguments(serve_p if args.command == "serve" else bench_p, unknown)
     if args.command == "bench":
         return bench.main(args)
 

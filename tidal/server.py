@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 from functools import partial
 
 import hypercorn.config
@@ -131,6 +132,7 @@ async def serve(config: ServerConfig) -> int:
     server = Server(config)
     exit_code = 0
     try:
+        check_port_free(config.host, config.port)  # before the engine loads: that can take minutes
         async with trio.open_nursery() as nursery:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async def on_signals():
@@ -149,13 +151,24 @@ async def serve(config: ServerConfig) -> int:
                 nursery.start_soon(on_signals)
                 await server.run()
                 nursery.cancel_scope.cancel()
-    except* EngineDead as group:
-        log.error("exiting: %s", _innermost(group))
+    except* EngineDead:  # the engine client logged why, once, when it declared the engine dead
+        log.info("exiting with code 3 (engine failure)")
         exit_code = 3
     except* OSError as group:  # e.g. the port is taken
         log.error("exiting: cannot serve on %s:%d: %s", config.host, config.port, _innermost(group))
         exit_code = 2
     return exit_code
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError (e.g. "Address already in use") if hypercorn could not bind host:port."""
+    if port == 0:
+        return
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as hypercorn binds
+        probe.bind(address)
 
 
 def _innermost(error: BaseException) -> BaseException:
