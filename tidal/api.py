@@ -174,9 +174,10 @@ def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_rende
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException):
         status = error.code or 500
-        if status != 413:
+        if status not in (408, 413):  # a body that timed out would only time out again
             await discard_body()
-        message = {413: f"Request body too large (the limit is {max_body_bytes} bytes)."}.get(
+        message = {413: f"Request body too large (the limit is {max_body_bytes} bytes).",
+                   408: f"Request body not received within {app.config['BODY_TIMEOUT']:g} s."}.get(
             status, error.description or error.name)
         return error_response(ApiError(status, message, _HTTP_ERROR_TYPES.get(status, "invalid_request_error")))
 

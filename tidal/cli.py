@@ -61,6 +61,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="Send a stream frame every K tokens (plus the last); per-request 'stream_interval' "
                         "overrides it. Default 1.")
     g.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="413 above this (default 16 MiB).")
+    g.add_argument("--body-timeout", type=float, default=60.0,
+                   help="Seconds a client may take to send a whole request body; 408 after (default 60).")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="Log level of the server (default info); the engine process logs at TIDAL_ENGINE_LOG_LEVEL "
                         "(default WARNING).")
@@ -124,6 +126,7 @@ def server_config(args: argparse.Namespace):
         max_stream_buffer_bytes=args.max_stream_buffer_bytes,
         stream_stall_timeout=args.stream_stall_timeout,
         max_request_body_bytes=args.max_request_body_bytes,
+        body_timeout=args.body_timeout,
         max_ws_requests_per_connection=args.max_ws_requests_per_connection,
         shutdown_timeout=args.shutdown_timeout,
         engine_heartbeat_timeout=args.engine_heartbeat_timeout,

@@ -23,6 +23,7 @@ class ServerConfig:
     max_stream_buffer_bytes: int = 1 << 20
     stream_stall_timeout: float = 30.0
     max_request_body_bytes: int = 16 << 20
+    body_timeout: float = 60.0  # seconds to receive a whole request body; 408 after
     max_ws_requests_per_connection: int = 64
     shutdown_timeout: float = 30.0
     engine_heartbeat_interval: float = 1.0
@@ -41,6 +42,8 @@ class ServerConfig:
             raise ValueError("--max-queued-requests must be >= 0")
         if self.max_queue_wait is not None and self.max_queue_wait <= 0:
             raise ValueError("--max-queue-wait must be positive")
+        if not self.body_timeout > 0:
+            raise ValueError("--body-timeout must be positive")
         if self.max_stream_buffer_bytes < 1 or self.stream_stall_timeout <= 0:
             raise ValueError("--max-stream-buffer-bytes and --stream-stall-timeout must be positive")
 

@@ -2,14 +2,17 @@
 
 Hops owned here (see docs/architecture.md):
 
-* handler -> ``submit_nowait``/``abort_nowait`` -> bounded memory channel -> **writer task**
+* frontend -> ``submit_nowait``/``abort_nowait`` -> bounded memory channel -> **writer task**
   -> engine stdin pipe. Neither call awaits, so an abort issued from a cancelled scope is
   never lost; the channel is sized so that admission bounds what can be in it.
-* engine stdout pipe -> **demultiplexer task** -> per-request ``Mailbox`` (never waits on
-  a handler) -> handler.
+* engine stdout pipe -> **reader task** -> each ``StepReport`` to ``listener.on_report``
+  (the frontend, which routes outputs to requests; it never waits on a handler).
 * **heartbeat task**: a Ping answered by the engine's step loop itself; no answer within
   the heartbeat timeout means the engine is hung, and EOF on the pipe means it died.
-  Either way every request in flight is failed at once and ``run`` raises ``EngineDead``.
+  Either way ``listener.on_engine_dead`` is told at once and ``run`` raises ``EngineDead``.
+
+Transport only: this module knows no requests. Several clients (data-parallel replicas) may
+share one listener; each call names the client it comes from.
 """
 
 from __future__ import annotations
@@ -21,12 +24,10 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 
-from tidal.mailbox import Mailbox
 from tidal.wire import (
     AbortRequests,
     AddRequest,
@@ -37,7 +38,6 @@ from tidal.wire import (
     Ping,
     Pong,
     Ready,
-    RequestOutput,
     Shutdown,
     StepReport,
     decode_from_engine,
@@ -55,15 +55,12 @@ class EngineStartError(EngineDead):
     pass
 
 
-@dataclass(eq=False)
-class Route:
-    """Where the demultiplexer delivers one request's events."""
+class Listener(Protocol):
+    """Who hears what the engine reports (the frontend). Called from the reader task; never awaits."""
 
-    mailbox: Mailbox
-    on_started: Callable[[], None]
-    on_output: Callable[[RequestOutput], None]
-    on_overflow: Callable[[], None]
-    finished: bool = field(default=False)
+    def on_report(self, report: StepReport, engine: "EngineClient") -> None: ...
+
+    def on_engine_dead(self, engine: "EngineClient", why: str) -> None: ...
 
 
 class EngineClient:
@@ -75,16 +72,14 @@ class EngineClient:
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 10.0,
         start_timeout: float = 600.0,
-        on_report: Callable[[StepReport], None] | None = None,
     ):
         self.config = config
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.start_timeout = start_timeout
-        self.on_report = on_report
+        self.listener: Listener | None = None
         self.ready: Ready | None = None
         self.stats = EngineStats()
-        self.routes: dict[int, Route] = {}
         self.dead: str | None = None  # why, once the engine is gone
         self.process: trio.Process | None = None
         self._send, self._receive = trio.open_memory_channel(channel_capacity)
@@ -94,17 +89,23 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
 
-    def submit_nowait(self, message: AddRequest, route: Route) -> None:
-        """Register ``route`` and queue the request for the engine. Never blocks."""
+    def attach(self, listener: Listener) -> None:
+        """Send every report (and the news of the engine's death) to ``listener`` from now on."""
+        self.listener = listener
+
+    def submit_nowait(self, message: AddRequest) -> None:
+        """Queue the request for the engine. Never blocks."""
         if self.dead is not None:
             raise EngineDead(self.dead)
-        self.routes[message.request_id] = route
         self._send.send_nowait(message)
 
     def abort_nowait(self, request_id: int) -> None:
-        """Forget the request here and tell the engine to free it. Never blocks; no-op if gone."""
-        route = self.routes.pop(request_id, None)
-        if route is not None and not route.finished and self.dead is None:
+        """Tell the engine to free the request. Never blocks; no-op once the engine is gone.
+
+        The caller sends it at most once per request, and only while the engine may still
+        hold it (the lifecycle table knows).
+        """
+        if self.dead is None:
             self._send.send_nowait(AbortRequests([request_id]))
 
     async def ping(self, timeout: float) -> EngineStats | None:
@@ -162,7 +163,7 @@ class EngineClient:
                 nursery.start_soon(self._write_loop, process)
                 nursery.start_soon(self._heartbeat_loop, process)
                 task_status.started(self.ready)
-                await self._demultiplex(process, splitter, leftover)  # returns at EOF
+                await self._read_loop(process, splitter, leftover)  # returns at EOF
                 nursery.cancel_scope.cancel()
             raise EngineDead(self._fail(f"engine process exited (code {await process.wait()})"))
         except trio.TooSlowError:
@@ -181,7 +182,7 @@ class EngineClient:
             for i, body in enumerate(bodies):
                 message = decode_from_engine(body)
                 if isinstance(message, Ready):
-                    return message, bodies[i + 1 :]  # the rest is the demultiplexer's
+                    return message, bodies[i + 1 :]  # the rest is the reader task's
                 if isinstance(message, EngineFailed):
                     raise EngineStartError(self._fail(f"engine failed to start: {message.message}"))
 
@@ -200,13 +201,12 @@ class EngineClient:
             await stream.aclose()
 
     def _fail(self, why: str) -> str:
-        """Mark the engine dead and end every request in flight with an error."""
+        """Mark the engine dead and tell the listener (which ends every request in flight)."""
         if self.dead is None:
             self.dead = why
             log.error("%s", why)
-            error = EngineDead(why)
-            for route in self.routes.values():
-                route.mailbox.close(error)
+            if self.listener is not None:
+                self.listener.on_engine_dead(self, why)
             for event in self._pongs.values():
                 event.set()
         return self.dead
@@ -226,16 +226,16 @@ class EngineClient:
             try:
                 await stdin.send_all(b"".join(frames))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return  # the demultiplexer sees EOF and reports the death
+                return  # the reader task sees EOF and reports the death
 
     async def _heartbeat_loop(self, process: trio.Process) -> None:
         while self.dead is None:
             await trio.sleep(self.heartbeat_interval)
             if await self.ping(self.heartbeat_timeout) is None and self.dead is None:
                 self._fail(f"engine did not answer a heartbeat within {self.heartbeat_timeout} s")
-                process.kill()  # a hung engine is not coming back; the demultiplexer sees EOF
+                process.kill()  # a hung engine is not coming back; the reader task sees EOF
 
-    async def _demultiplex(self, process: trio.Process, splitter: FrameSplitter, bodies: list[bytes]) -> None:
+    async def _read_loop(self, process: trio.Process, splitter: FrameSplitter, bodies: list[bytes]) -> None:
         stdout = process.stdout
         while True:
             for body in bodies:
@@ -248,23 +248,8 @@ class EngineClient:
     def _handle(self, message) -> None:
         if isinstance(message, StepReport):
             self.stats = message.stats
-            routes = self.routes
-            for request_id in message.started:
-                route = routes.get(request_id)
-                if route is not None:
-                    route.on_started()
-            for output in message.outputs:
-                route = routes.get(output.request_id)
-                if route is not None:
-                    route.on_output(output)
-                    if not route.mailbox.put_nowait(output):
-                        route.on_overflow()
-            for request_id in message.finished:
-                route = routes.pop(request_id, None)
-                if route is not None:
-                    route.finished = True
-            if self.on_report is not None:
-                self.on_report(message)
+            if self.listener is not None:
+                self.listener.on_report(message, self)
         elif isinstance(message, Pong):
             self.stats = message.stats
             event = self._pongs.get(message.nonce)

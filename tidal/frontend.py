@@ -1,10 +1,15 @@
 """The request registry: admission, the per-request lifecycle, and where aborts start.
 
 Hops owned here: ``open_request`` admits a request (or refuses it with a 503 before any
-byte is sent) and hands it to the engine client; ``first_output`` waits for the engine
-to schedule it and produce something, under ``--max-queue-wait``; ``close`` ends it.
+byte is sent) and hands it to the engine client; ``on_report`` routes what the engine
+reports to each request's lifecycle and mailbox; ``first_output`` waits for the engine to
+schedule it and produce something, under ``--max-queue-wait``; ``close`` ends it.
 
-``close`` is the one place an abort starts. It is synchronous (``abort_nowait``), so it
+Every ending goes through ``_end``: it moves the request to its final state and leaves the
+reader its last word in the mailbox: a final output with finish_reason "abort", or an
+``ApiError``. Readers never see engine or shutdown exceptions.
+
+``close`` is the one place a handler starts an abort. It is synchronous (``abort_nowait``), so it
 works from a cancelled scope, and it is idempotent. Every HTTP request and WebSocket
 connection runs inside a ``RequestScope`` (see ``request_scope_middleware``) whose exit
 closes every request opened in it, so no request outlives the task that opened it, even
@@ -22,12 +27,12 @@ import time
 import trio
 
 from tidal.config import ServerConfig
-from tidal.engine_client import EngineClient, EngineDead, Route
-from tidal.lifecycle import ActiveRequest, RequestState
+from tidal.engine_client import EngineClient
+from tidal.lifecycle import ActiveRequest, RequestState, RequestTable
 from tidal.mailbox import Mailbox
 from tidal.metrics import Metrics
 from tidal.protocol import ApiError
-from tidal.wire import AddRequest, RequestOutput, SamplingParams
+from tidal.wire import AddRequest, RequestOutput, SamplingParams, StepReport
 
 log = logging.getLogger("tidal.frontend")
 
@@ -46,10 +51,6 @@ class SlowClient(ApiError):
     def __init__(self, why: str):
         super().__init__(503, f"The client did not read its stream fast enough ({why}); the request was aborted.",
                          "slow_client", None, 503)
-
-
-class ShutdownAbort(Exception):
-    """The server is shutting down: the stream ends with finish_reason "abort"."""
 
 
 def engine_unavailable(why: str) -> ApiError:
@@ -111,28 +112,30 @@ class Frontend:
         self.metrics = metrics
         self.max_num_seqs = max_num_seqs
         self.by_priority = config.engine.scheduling_policy == "priority"
-        self.active: dict[int, ActiveRequest] = {}
-        self.queued: set[ActiveRequest] = set()  # admitted, not yet scheduled by the engine
-        self.num_running = 0  # scheduled, not yet finished (the frontend's view)
+        self.requests = RequestTable()
         self.draining = False
         self._ids = itertools.count(1)
-        self._idle = trio.Event()
-        self._idle.set()
         self._last_backlog_warning = 0.0
+        engine.attach(self)
+
+    @property
+    def active(self) -> dict[int, ActiveRequest]:
+        """The live requests by id (the lifecycle table's)."""
+        return self.requests.live
 
     # ------------------------------------------------------------------ admission
 
     def _queue_capacity(self) -> float:
         # Free engine slots are not "queue": with --max-num-seqs 2 --max-queued-requests 2 four
         # requests are admitted (two run, two wait) and the fifth is refused.
-        return self.config.max_queued_requests + max(0, self.max_num_seqs - self.num_running)
+        return self.config.max_queued_requests + max(0, self.max_num_seqs - self.requests.num_running)
 
     def _admit(self, priority: int, arrival: tuple) -> ActiveRequest | None:
         """Make room for a request; return a queued request to evict, or raise 503."""
-        if len(self.queued) < self._queue_capacity():
+        if self.requests.num_queued < self._queue_capacity():
             return None
-        if self.by_priority and self.queued:
-            victim = max(self.queued, key=lambda r: r.urgency)
+        if self.by_priority and self.requests.num_queued:
+            victim = max(self.requests.queued(), key=lambda r: r.urgency)
             if arrival < victim.urgency:
                 return victim
         self.metrics.rejected.labels(self.metrics.model_name, "queue_full").inc()
@@ -147,8 +150,9 @@ class Frontend:
         if self.draining:
             self.metrics.rejected.labels(self.metrics.model_name, "shutdown").inc()
             raise service_unavailable(SHUTTING_DOWN)
-        if not self.engine.healthy:
-            raise engine_unavailable(self.engine.dead or "still starting")
+        engine = self.engine
+        if not engine.healthy:
+            raise engine_unavailable(engine.dead or "still starting")
         now = trio.current_time()
         order = next(self._ids)
         victim = self._admit(priority, (priority, now, order))
@@ -160,20 +164,10 @@ class Frontend:
             num_prompt_tokens=len(prompt_token_ids),
             params=params,
             mailbox=Mailbox(self.config.max_stream_buffer_bytes),
+            engine=engine,
         )
-        route = Route(
-            mailbox=request.mailbox,
-            on_started=lambda: self._on_started(request),
-            on_output=lambda output: self._on_output(request, output),
-            on_overflow=lambda: self.abort(request, "slow_client",
-                                           SlowClient("more than --max-stream-buffer-bytes undelivered")),
-        )
-        self.engine.submit_nowait(
-            AddRequest(request.request_id, prompt_token_ids, params, priority, time.time()), route)
-        self.active[request.request_id] = request
-        self.queued.add(request)
-        if len(self.active) == 1:
-            self._idle = trio.Event()
+        engine.submit_nowait(AddRequest(request.request_id, prompt_token_ids, params, priority, time.time()))
+        self.requests.add(request)
         self.metrics.prompt_tokens_m.inc(len(prompt_token_ids))
         opened = _scope.get()
         if opened is not None:
@@ -186,7 +180,8 @@ class Frontend:
         """Wait until the engine produced the request's first output.
 
         Raises the ApiError that ended the request early (queue timeout, eviction, slow
-        client, engine failure). Cancellation leaves the request open; its scope closes it.
+        client, engine failure, shutdown). Cancellation leaves the request open; its scope
+        closes it.
         """
         wait = self.config.max_queue_wait
         with trio.CancelScope() as scope:
@@ -197,28 +192,45 @@ class Frontend:
                 first = await request.mailbox.take()
                 self.note_backlog(request)
                 return first
-            except EngineDead as exc:
-                self.abort(request, "engine_error")  # else its scope counts it as a client disconnect
-                raise engine_unavailable(str(exc)) from None
             finally:
                 request.queue_scope = None
         error = service_unavailable(QUEUE_TIMEOUT)
         self.reject(request, "queue_timeout", error)
         raise error
 
-    # ------------------------------------------------------------------ engine events (demultiplexer)
+    # ------------------------------------------------------------------ engine reports
 
-    def _on_started(self, request: ActiveRequest) -> None:
-        if request.state is not RequestState.QUEUED:
-            return
+    def on_report(self, report: StepReport, engine: EngineClient) -> None:
+        """Route one engine step's events to the requests they name (the engine client's one door).
+
+        Request ids are unique across engines, so ``engine`` is not needed to find a request.
+        Events for a request that is no longer live (aborted, rejected) are dropped.
+        """
+        live = self.requests.live
+        for request_id in report.started:
+            request = live.get(request_id)
+            if request is not None and request.state is RequestState.QUEUED:
+                self._start(request)
+        for output in report.outputs:
+            request = live.get(output.request_id)
+            if request is not None:
+                self._deliver(request, output)
+        # report.finished needs nothing here: the engine forgets a request either after its
+        # final output (handled above) or because the frontend aborted it (already final)
+
+    def on_engine_dead(self, engine: EngineClient, why: str) -> None:
+        """Fail every live request on ``engine``: its reader gets the error after what is pending."""
+        error = engine_unavailable(why)
+        for request in [r for r in self.requests.live.values() if r.engine is engine]:
+            self._end(request, RequestState.ABORTED, "engine_error", self.metrics.aborted, error, discard=False)
+
+    def _start(self, request: ActiveRequest) -> None:
         request.move_to(RequestState.RUNNING)
-        self.queued.discard(request)
-        self.num_running += 1
         if request.queue_scope is not None:
             request.queue_scope.deadline = math.inf  # it left the queue in time
         self.metrics.queue_time_m.observe(trio.current_time() - request.arrival_time)
 
-    def _on_output(self, request: ActiveRequest, output: RequestOutput) -> None:
+    def _deliver(self, request: ActiveRequest, output: RequestOutput) -> None:
         now = trio.current_time()
         m = self.metrics
         if request.first_output_time is None:
@@ -227,31 +239,21 @@ class Frontend:
         else:
             m.itl_m.observe(now - request.last_output_time)
         request.last_output_time = now
-        n = len(output.token_ids)
-        request.num_output_tokens += n
-        m.generation_tokens_m.inc(n)
-        if output.finish_reason is not None and not request.is_final:
+        m.generation_tokens_m.inc(len(output.token_ids))
+        if output.finish_reason is not None:
             if request.state is RequestState.QUEUED:
-                self._on_started(request)
+                self._start(request)
             request.move_to(RequestState.FINISHED)
-            self._release(request)
             m.e2e_m.observe(now - request.arrival_time)
             m.finished.labels(m.model_name, output.finish_reason).inc()
+        if not request.mailbox.put_nowait(output):
+            self.abort(request, "slow_client", SlowClient("more than --max-stream-buffer-bytes undelivered"))
 
     # ------------------------------------------------------------------ endings
 
-    def _release(self, request: ActiveRequest) -> None:
-        """Give back the request's admission slot (once)."""
-        if request in self.queued:
-            self.queued.discard(request)
-        elif request.state is not RequestState.QUEUED and request.request_id in self.active:
-            self.num_running -= 1
-        self.active.pop(request.request_id, None)
-        if not self.active:
-            self._idle.set()
-
-    def abort(self, request: ActiveRequest, reason: str, error: BaseException | None = None) -> None:
-        """End a live request: the engine frees its blocks; its reader gets ``error`` (if any)."""
+    def abort(self, request: ActiveRequest, reason: str, error: ApiError | None = None) -> None:
+        """End a live request: the engine frees its blocks; its reader gets ``error``, else a
+        final output with finish_reason "abort" (what was pending is dropped either way)."""
         self._end(request, RequestState.ABORTED, reason, self.metrics.aborted, error)
 
     def reject(self, request: ActiveRequest, reason: str, error: ApiError) -> None:
@@ -259,16 +261,15 @@ class Frontend:
         self._end(request, RequestState.REJECTED, reason, self.metrics.rejected, error)
 
     def _end(self, request: ActiveRequest, state: RequestState, reason: str, counter,
-             error: BaseException | None) -> None:
+             error: ApiError | None, discard: bool = True) -> None:
         if request.is_final:
             return
         request.move_to(state)
         request.abort_reason = reason
-        self.engine.abort_nowait(request.request_id)
-        self._release(request)
+        request.engine.abort_nowait(request.request_id)
         counter.labels(self.metrics.model_name, reason).inc()
-        if error is not None:
-            request.mailbox.close(error, discard=True)
+        ending = error if error is not None else RequestOutput(request.request_id, [], "", "abort")
+        request.mailbox.close(ending, discard)
 
     def close(self, request: ActiveRequest, reason: str = "client_disconnect") -> None:
         """The handler is done with the request. Aborts it if the engine is still working on it."""
@@ -295,7 +296,7 @@ class Frontend:
         while True:
             await trio.sleep(min(1.0, timeout / 4))
             now = trio.current_time()
-            for request in list(self.active.values()):
+            for request in list(self.requests.live.values()):
                 mailbox = request.mailbox
                 if mailbox.has_pending and now - mailbox.last_take_time > timeout:
                     log.warning("request %d: client took no bytes for %.1f s; aborting it as a slow client",
@@ -303,12 +304,19 @@ class Frontend:
                     self.abort(request, "slow_client", SlowClient("stalled past --stream-stall-timeout"))
 
     async def drain(self, timeout: float) -> None:
-        """Stop admitting; let requests finish for ``timeout`` s; then abort the rest."""
+        """Stop admitting; let requests finish for ``timeout`` s; then end the rest.
+
+        A request still queued is refused (503, it never produced a byte); a running one
+        ends its stream with finish_reason "abort".
+        """
         self.draining = True
         with trio.move_on_after(timeout):
-            await self._idle.wait()
-        remaining = list(self.active.values())
+            await self.requests.wait_idle()
+        remaining = list(self.requests.live.values())
         if remaining:
             log.warning("shutdown: aborting %d requests still in flight", len(remaining))
         for request in remaining:
-            self.abort(request, "shutdown", ShutdownAbort())
+            if request.state is RequestState.QUEUED:
+                self.reject(request, "shutdown", service_unavailable(SHUTTING_DOWN))
+            else:
+                self.abort(request, "shutdown")

@@ -5,16 +5,20 @@
     QUEUED --started--> RUNNING --finish reason from the engine--> FINISHED
        |                   |
        +---- abort --------+-----> ABORTED   (client gone, slow client, shutdown, engine failure)
-       +---- reject -------------> REJECTED  (queue timeout, evicted by a more urgent request)
+       +---- reject -------------> REJECTED  (queue timeout, evicted by a more urgent request, shutdown)
 
 FINISHED, ABORTED and REJECTED are final. The engine has forgotten a FINISHED request; for
 the other two the frontend has sent (or is sending) an abort.
+
+``RequestTable`` is the set of live (not final) requests. It learns of every transition from
+``move_to``, so its counts of queued and running requests are derived, never kept by hand.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -55,10 +59,11 @@ class ActiveRequest:
     params: SamplingParams
     mailbox: Mailbox
     state: RequestState = RequestState.QUEUED
+    engine: Any = field(default=None, repr=False)  # the engine client (replica) that runs it
+    table: RequestTable | None = field(default=None, repr=False)  # None outside a frontend (tests)
     abort_reason: str | None = None
     first_output_time: float | None = None
     last_output_time: float | None = None
-    num_output_tokens: int = 0
     # the scope that enforces --max-queue-wait while the request is queued
     queue_scope: trio.CancelScope | None = field(default=None, repr=False)
 
@@ -72,6 +77,49 @@ class ActiveRequest:
         return (self.priority, self.arrival_time, self.arrival_order)
 
     def move_to(self, new: RequestState) -> None:
-        if new not in TRANSITIONS[self.state]:
-            raise IllegalTransition(f"request {self.request_id}: {self.state.value} -> {new.value}")
+        old = self.state
+        if new not in TRANSITIONS[old]:
+            raise IllegalTransition(f"request {self.request_id}: {old.value} -> {new.value}")
         self.state = new
+        if self.table is not None:
+            self.table._moved(self, old, new)
+
+
+class RequestTable:
+    """The live requests by id, and how many are queued and running (derived from ``move_to``)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, ActiveRequest] = {}
+        self.num_queued = 0  # admitted, not yet scheduled by the engine
+        self.num_running = 0  # scheduled, not yet final (the frontend's view)
+        self._idle = trio.Event()
+        self._idle.set()
+
+    def add(self, request: ActiveRequest) -> None:
+        """Start tracking a newly admitted (QUEUED) request."""
+        assert request.state is RequestState.QUEUED and request.table is None
+        request.table = self
+        self.live[request.request_id] = request
+        self.num_queued += 1
+        if len(self.live) == 1:
+            self._idle = trio.Event()
+
+    def queued(self) -> list[ActiveRequest]:
+        return [r for r in self.live.values() if r.state is RequestState.QUEUED]
+
+    async def wait_idle(self) -> None:
+        """Until no request is live."""
+        await self._idle.wait()
+
+    def _moved(self, request: ActiveRequest, old: RequestState, new: RequestState) -> None:
+        # only QUEUED and RUNNING have transitions out, and a live request is in one of them
+        if old is RequestState.QUEUED:
+            self.num_queued -= 1
+        else:
+            self.num_running -= 1
+        if new is RequestState.RUNNING:
+            self.num_running += 1
+        else:
+            del self.live[request.request_id]
+            if not self.live:
+                self._idle.set()

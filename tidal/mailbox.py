@@ -1,10 +1,14 @@
-"""A request's mailbox: where the demultiplexer leaves engine output for its handler.
+"""A request's mailbox: where the frontend leaves engine output for its handler.
 
-The demultiplexer never waits for a handler. ``put_nowait`` merges a new output into the
+The frontend never waits for a handler. ``put_nowait`` merges a new output into the
 undelivered one (lossless: token ids and text are concatenated), so a handler that falls
 behind reads one bigger delta instead of a backlog of small ones. What a slow reader may
 leave undelivered is bounded by ``max_bytes``; past it the mailbox reports an overflow
 and the request is aborted as a slow client.
+
+Every request's mailbox ends with either a final output (``finish_reason`` set: the engine's,
+or "abort" from the frontend) or an error (an ``ApiError``): the one way a reader learns that
+its request is over.
 """
 
 from __future__ import annotations
@@ -42,13 +46,20 @@ class Mailbox:
         self._lot.unpark_all()
         return self.pending_bytes <= self.max_bytes
 
-    def close(self, reason: BaseException, discard: bool = False) -> None:
-        """Wake the reader with ``reason`` once the pending output is taken (or dropped)."""
-        if self._closed_reason is None:
-            self._closed_reason = reason
+    def close(self, ending: RequestOutput | BaseException, discard: bool = False) -> None:
+        """End the request: the reader gets what is pending (unless ``discard``), then ``ending``.
+
+        ``ending`` is a final output (``finish_reason`` set), which ``take`` returns like any
+        other, or an error, which ``take`` raises once nothing is pending.
+        """
         if discard:
             self._pending = None
             self.pending_bytes = 0
+            self.num_pending_chunks = 0
+        if isinstance(ending, RequestOutput):
+            self.put_nowait(ending)
+        elif self._closed_reason is None:
+            self._closed_reason = ending
         self._lot.unpark_all()
 
     @property

@@ -105,6 +105,8 @@ _decoders = {
     "completions": msgspec.json.Decoder(CompletionRequest),
 }
 
+NESTED_TOO_DEEPLY = "Request body is not valid JSON: it is nested too deeply"
+
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
@@ -131,6 +133,8 @@ def parse_body(kind: Literal["chat", "completions"], body: bytes | dict) -> Chat
         raise bad_request(f"Invalid request: {text}", _error_param(text)) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's depth guard: no field of ours nests that deep
+        raise bad_request(NESTED_TOO_DEEPLY) from None
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -178,6 +182,14 @@ def _check(condition: bool, message: str, param: str) -> None:
         raise bad_request(message, param)
 
 
+# What one request may ask of the stop checks the engine runs after every token (docs/admission.md).
+# Matching is linear in the text whatever the stop strings' length (gpu/stop_strings.py); these keep
+# the held-back text, the final search and the stop_token_ids membership test per token small.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 4096
+MAX_STOP_TOKEN_IDS = 256
+
+
 @dataclass(frozen=True)
 class Validated:
     params: SamplingParams
@@ -218,9 +230,15 @@ def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int
     repetition = 1.0 if r.repetition_penalty is None else r.repetition_penalty
     _check(0.0 < repetition <= 10.0, "repetition_penalty must be in (0, 10]", "repetition_penalty")
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
-    _check(len(stop) <= 16, "at most 16 stop strings are supported", "stop")
+    _check(len(stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings are supported "
+           f"(got {len(stop)})", "stop")
     _check(all(stop), "stop strings must not be empty", "stop")
+    longest = max(map(len, stop), default=0)
+    _check(longest <= MAX_STOP_CHARS, f"a stop string may have at most {MAX_STOP_CHARS} characters "
+           f"(got {longest})", "stop")
     stop_ids = r.stop_token_ids or []
+    _check(len(stop_ids) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported "
+           f"(got {len(stop_ids)})", "stop_token_ids")
     _check(all(0 <= t < vocab_size for t in stop_ids), f"stop_token_ids must be in [0, {vocab_size})",
            "stop_token_ids")
     _check(r.seed is None or -(2**63) <= r.seed < 2**64, "seed is out of range", "seed")

@@ -27,7 +27,7 @@ import hypercorn.trio
 import trio
 
 from tidal.api import Api, create_app
-from tidal import fast_send
+from tidal import connections, fast_send
 from tidal.config import ServerConfig
 from tidal.engine_client import EngineClient, EngineDead, channel_capacity
 from tidal.frontend import Frontend, request_scope_middleware
@@ -71,12 +71,14 @@ class Server:
             app = create_app(api, cfg.api_key, cfg.max_request_body_bytes,
                              lambda: self.metrics.render(self.engine.stats, len(frontend.active)),
                              self._health_check, cfg.max_ws_requests_per_connection)
+            app.config["BODY_TIMEOUT"] = cfg.body_timeout
             state = ServerState(self.metrics, lambda: self.engine.stats, lambda: len(frontend.active))
             register_state(app, state)
             if cfg.ui:
                 register_ui(app)
             asgi = request_scope_middleware(app, lambda: frontend)
             fast_send.install()
+            connections.install()
             hconfig = hypercorn.config.Config()
             hconfig.bind = [f"{cfg.host}:{cfg.port}"]
             hconfig.graceful_timeout = 2.0

@@ -13,16 +13,18 @@ from typing import Any
 
 import trio
 
-from tidal.engine_client import EngineDead
 from tidal.fast_send import BodyWriter
-from tidal.frontend import Frontend, ShutdownAbort, engine_unavailable
+from tidal.frontend import Frontend
 from tidal.lifecycle import ActiveRequest
 from tidal.protocol import SSE_DONE, ApiError, ChunkEncoder, sse, usage
 from tidal.wire import RequestOutput
 
 
 class OutputReader:
-    """Reads a request's outputs as deltas of at least ``stream_interval`` tokens (plus the last)."""
+    """Reads a request's outputs as deltas of at least ``stream_interval`` tokens (plus the last).
+
+    The reader's end is its mailbox's: a final output (``finish_reason``) or an ``ApiError``.
+    """
 
     def __init__(self, frontend: Frontend, request: ActiveRequest, first: RequestOutput, stream_interval: int):
         self.frontend = frontend
@@ -33,10 +35,16 @@ class OutputReader:
         self.num_cached_tokens = first.num_cached_tokens
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.done = False
+        self.error: ApiError | None = None
 
-    async def next_delta(self) -> tuple[str, str | None]:
-        """The next (text, finish_reason). Raises ApiError / ShutdownAbort if the request ended early."""
+    @property
+    def done(self) -> bool:
+        """The last delta (or the error) has been read."""
+        return self.finish_reason is not None or self.error is not None
+
+    async def next_delta(self) -> str:
+        """The next text delta; ``finish_reason`` is set once it is the last. Raises the ApiError
+        that ended the request early (and keeps it in ``error``)."""
         text_parts: list[str] = []
         tokens = 0
         mailbox = self.request.mailbox
@@ -47,9 +55,9 @@ class OutputReader:
             else:
                 try:
                     output = await mailbox.take()
-                except EngineDead as exc:
-                    self.frontend.abort(self.request, "engine_error")
-                    raise engine_unavailable(str(exc)) from None
+                except ApiError as error:
+                    self.error = error
+                    raise
                 self.frontend.note_backlog(self.request)
             text_parts.append(output.text)
             tokens += len(output.token_ids)
@@ -58,10 +66,9 @@ class OutputReader:
             if output.finish_reason is not None:
                 self.finish_reason = output.finish_reason
                 self.stop_reason = output.stop_reason
-                self.done = True
-                return "".join(text_parts), output.finish_reason
+                return "".join(text_parts)
             if tokens >= self.stream_interval:
-                return "".join(text_parts), None
+                return "".join(text_parts)
 
     def usage(self) -> dict[str, Any]:
         return usage(self.request.num_prompt_tokens, self.num_tokens, self.num_cached_tokens)
@@ -76,8 +83,6 @@ class SseBody:
         self.encoder = encoder
         self.include_usage = include_usage
         self.writer = writer  # writes frames straight to the socket once the headers are out
-        self._finished = False
-        self._pending_text = ""  # text held until a chunk may carry it (never an empty chunk)
 
     def __aiter__(self) -> "SseBody":
         return self
@@ -85,13 +90,14 @@ class SseBody:
     async def __anext__(self) -> bytes:
         # quart sent the headers before asking for the first chunk: from here on, frames can go
         # straight to the socket; quart then only ends the body
+        reader = self.reader
         writer = self.writer
-        while writer is not None and not self._finished:
+        while writer is not None and not reader.done:
             frame = await self._next_frame()
             if not await writer.write(frame):
                 self.writer = None
                 return frame
-        if self._finished:
+        if reader.done:
             raise StopAsyncIteration
         return await self._next_frame()
 
@@ -99,19 +105,14 @@ class SseBody:
         reader = self.reader
         while True:
             try:
-                text, finish = await reader.next_delta()
-            except ShutdownAbort:
-                text, finish = "", "abort"
+                text = await reader.next_delta()
             except ApiError as error:
-                self._finished = True
                 return sse(error.json()) + SSE_DONE
-            text = self._pending_text + text
-            self._pending_text = ""
+            finish = reader.finish_reason
             if finish is None and not text:
                 continue  # e.g. text held back by the stop-string check: nothing to say yet
             frame = sse(self.encoder.chunk_json(text, finish))
             if finish is not None:
-                self._finished = True
                 if self.include_usage:
                     frame += sse(self.encoder.usage_json(reader.usage()))
                 frame += SSE_DONE
@@ -122,12 +123,8 @@ class SseBody:
 
 
 async def collect(reader: OutputReader, encoder: ChunkEncoder) -> dict[str, Any]:
-    """The whole completion as one OpenAI response object (stream=false)."""
+    """The whole completion as one OpenAI response object (stream=false). Raises ApiError."""
     parts = []
-    try:
-        while not reader.done:
-            text, _ = await reader.next_delta()
-            parts.append(text)
-    except ShutdownAbort:
-        reader.finish_reason = "abort"
+    while not reader.done:
+        parts.append(await reader.next_delta())
     return encoder.full_response("".join(parts), reader.finish_reason, reader.usage(), reader.stop_reason)

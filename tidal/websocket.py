@@ -18,8 +18,7 @@ from quart import websocket
 
 from tidal import ws_auth
 from tidal.api import Api
-from tidal.frontend import ShutdownAbort
-from tidal.protocol import ApiError, ChunkEncoder, bad_request
+from tidal.protocol import NESTED_TOO_DEEPLY, ApiError, ChunkEncoder, bad_request
 from tidal.streaming import OutputReader
 
 _ENDPOINTS = {"chat.completions": "chat", "completions": "completions"}
@@ -78,6 +77,9 @@ class Connection:
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     await self.send(_error_message(None, bad_request(f"Invalid message: {exc}")))
                     continue
+                except RecursionError:  # an error message, not a closed connection
+                    await self.send(_error_message(None, bad_request(NESTED_TOO_DEEPLY)))
+                    continue
                 if message.type == "request":
                     await self.start(nursery, message)
                 elif message.type == "cancel":
@@ -123,11 +125,8 @@ class Connection:
                 encoder = ChunkEncoder(kind, api.model_name)  # type: ignore[arg-type]
                 prefix = b'{"type":"chunk","id":' + id_json + b',"data":'
                 while not reader.done:
-                    try:
-                        text, finish = await reader.next_delta()
-                    except ShutdownAbort:
-                        text, finish = "", "abort"
-                        reader.done = True
+                    text = await reader.next_delta()
+                    finish = reader.finish_reason
                     if finish is None and not text:
                         continue
                     await self.send((prefix + encoder.chunk_json(text, finish) + b"}").decode())

@@ -69,3 +69,11 @@ async def test_close_delivers_what_is_pending_unless_told_to_discard_it():
     assert box.pending_bytes == 0 and not box.has_pending
     with pytest.raises(RuntimeError, match="aborted"):
         await box.take()
+
+
+async def test_a_final_output_ends_the_mailbox_like_the_engines_last_output():
+    box = Mailbox(max_bytes=100)
+    box.put_nowait(output("dropped", [1]))
+    box.close(output("", [], finish="abort"), discard=True)  # what an abort leaves the reader
+    final = await box.take()
+    assert final.text == "" and final.token_ids == [] and final.finish_reason == "abort"

@@ -16,7 +16,7 @@ from tidal.frontend import Frontend
 from tidal.lifecycle import RequestState
 from tidal.metrics import Metrics
 from tidal.protocol import ApiError
-from tidal.wire import EngineConfig, RequestOutput, SamplingParams
+from tidal.wire import EngineConfig, EngineStats, RequestOutput, SamplingParams, StepReport
 
 TIMEOUT = 2.0
 WATCH_PERIOD = TIMEOUT / 4  # Frontend.watch_stalls checks every min(1 s, timeout / 4)
@@ -29,15 +29,18 @@ class StandInEngine:
     dead = None
 
     def __init__(self):
-        self.routes = {}
+        self.listener = None
+        self.submitted: list[int] = []
         self.aborted: list[int] = []
 
-    def submit_nowait(self, message, route):
-        self.routes[message.request_id] = route
+    def attach(self, listener):
+        self.listener = listener
+
+    def submit_nowait(self, message):
+        self.submitted.append(message.request_id)
 
     def abort_nowait(self, request_id):
-        if self.routes.pop(request_id, None) is not None:
-            self.aborted.append(request_id)
+        self.aborted.append(request_id)
 
 
 def make_frontend(max_buffer: int = 1 << 20) -> tuple[Frontend, StandInEngine]:
@@ -48,13 +51,10 @@ def make_frontend(max_buffer: int = 1 << 20) -> tuple[Frontend, StandInEngine]:
 
 
 def deliver(engine: StandInEngine, request_id: int, text: str) -> None:
-    """What the demultiplexer does with one engine output."""
-    route = engine.routes[request_id]
-    output = RequestOutput(request_id, [1], text)
-    route.on_started()
-    route.on_output(output)
-    if not route.mailbox.put_nowait(output):
-        route.on_overflow()
+    """What the engine client does with a report of one engine output."""
+    report = StepReport(started=[request_id], outputs=[RequestOutput(request_id, [1], text)], finished=[],
+                        stats=EngineStats())
+    engine.listener.on_report(report, engine)
 
 
 def slow_client_aborts(frontend: Frontend) -> float:
@@ -111,4 +111,4 @@ async def test_past_the_byte_bound_the_request_is_aborted_and_its_place_freed():
     deliver(engine, request.request_id, "")  # 4 more bytes undelivered: 12 > 8
     assert request.state is RequestState.ABORTED and request.abort_reason == "slow_client"
     assert engine.aborted == [request.request_id] and slow_client_aborts(frontend) == 1
-    assert frontend.active == {} and frontend.num_running == 0  # its admission place is free again
+    assert frontend.active == {} and frontend.requests.num_running == 0  # its admission place is free again

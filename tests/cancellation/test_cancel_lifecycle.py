@@ -19,6 +19,7 @@ from tidal.frontend import Frontend
 from tidal.lifecycle import ActiveRequest, IllegalTransition, RequestState
 from tidal.mailbox import Mailbox
 from tidal.metrics import Metrics
+from tidal.protocol import ApiError
 from tidal.wire import AbortRequests, AddRequest, EngineConfig, EngineStats, RequestOutput, SamplingParams, StepReport
 
 Q, RUN, FIN, ABT, REJ = (RequestState.QUEUED, RequestState.RUNNING, RequestState.FINISHED, RequestState.ABORTED,
@@ -102,3 +103,57 @@ async def test_close_after_the_engine_finished_is_a_noop():
     assert _sent(engine) == []  # the engine already forgot it: nothing to abort
     assert _aborts(frontend, "client_disconnect") == 0
     assert not frontend.active
+
+
+# ------------------------------------------------------------------ the table's counts, and every ending
+
+
+def _report(started=(), outputs=()) -> StepReport:
+    return StepReport(started=list(started), outputs=list(outputs), finished=[], stats=EngineStats())
+
+
+async def test_queued_and_running_counts_follow_the_transitions():
+    frontend, engine = _frontend()
+    table = frontend.requests
+    a, b = (frontend.open_request([1, 2], SamplingParams(max_tokens=2), 0) for _ in range(2))
+    assert (table.num_queued, table.num_running) == (2, 0)
+    engine._handle(_report(started=[a.request_id]))
+    assert (table.num_queued, table.num_running) == (1, 1)
+    engine._handle(_report(outputs=[RequestOutput(a.request_id, [7], "x", "length")]))
+    assert (table.num_queued, table.num_running) == (1, 0) and a.state is FIN
+    frontend.close(b)
+    assert (table.num_queued, table.num_running) == (0, 0) and frontend.active == {}
+
+
+async def test_engine_death_ends_every_request_through_its_mailbox():
+    frontend, engine = _frontend()
+    running = frontend.open_request([1, 2], SamplingParams(max_tokens=8), 0)
+    queued = frontend.open_request([1, 2], SamplingParams(max_tokens=8), 0)
+    _sent(engine)
+    engine._handle(_report(started=[running.request_id], outputs=[RequestOutput(running.request_id, [7], "x")]))
+    engine._fail("engine process exited (code -9)")
+    assert running.state is ABT and queued.state is ABT and not frontend.active
+    assert _sent(engine) == []  # nobody is left to tell
+    assert _aborts(frontend, "engine_error") == 2
+    assert (await running.mailbox.take()).text == "x"  # what was already produced comes first
+    for request in (running, queued):
+        with pytest.raises(ApiError) as info:
+            await request.mailbox.take()
+        assert info.value.status == 503 and info.value.type == "engine_error"
+        assert "engine process exited" in info.value.message
+
+
+async def test_shutdown_refuses_queued_requests_and_ends_running_streams_with_abort():
+    frontend, engine = _frontend()
+    running = frontend.open_request([1, 2], SamplingParams(max_tokens=8), 0)
+    queued = frontend.open_request([1, 2], SamplingParams(max_tokens=8), 0)
+    _sent(engine)
+    engine._handle(_report(started=[running.request_id]))
+    await frontend.drain(0)
+    assert running.state is ABT and queued.state is REJ and not frontend.active
+    assert _sent(engine) == [AbortRequests([running.request_id]), AbortRequests([queued.request_id])]
+    final = await running.mailbox.take()
+    assert final.finish_reason == "abort" and final.text == ""
+    with pytest.raises(ApiError) as info:
+        await queued.mailbox.take()
+    assert info.value.status == 503 and info.value.message == "The server is shutting down."

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidal.gpu.block_manager import BlockManager
+from tidal.gpu.block_manager import ROOT_HASH, BlockManager, hash_block
 from tidal.gpu.sequence import Sequence
 from tidal.wire import SamplingParams
 
@@ -140,3 +140,56 @@ def test_double_free_is_detected():
     seq.block_table = table
     with pytest.raises(RuntimeError, match="freed twice"):
         bm.free(seq)
+
+
+# ------------------------------------------------------------------ prefix-cache keys
+
+
+def test_block_keys_are_128_bit_digests_chained_from_the_parent():
+    first = hash_block(ROOT_HASH, [1, 2, 3, 4])
+    assert isinstance(first, bytes) and len(first) == 16
+    assert hash_block(ROOT_HASH, [1, 2, 3, 4]) == first  # deterministic (no per-process hash seed)
+    # the same tokens after a different parent are a different block
+    assert hash_block(first, [5, 6, 7, 8]) != hash_block(hash_block(ROOT_HASH, [9, 2, 3, 4]), [5, 6, 7, 8])
+    assert hash_block(first, [1, 2, 3, 4]) != first
+
+
+def test_same_block_after_a_different_first_block_does_not_hit():
+    bm = BlockManager(16, BLOCK)
+    a = make_seq(1, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert compute(bm, a, 9)
+    b = make_seq(2, [0, 2, 3, 4, 5, 6, 7, 8, 9])  # second block equal, first differs
+    assert bm.lookup_prefix(b) == []
+    c = make_seq(3, [1, 2, 3, 4, 5, 6, 7, 0, 9])  # first block equal, second differs
+    assert bm.lookup_prefix(c) == a.block_table[:1]
+
+
+token_lists = st.lists(st.integers(0, 5), min_size=1, max_size=24)
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompts=st.lists(token_lists, min_size=1, max_size=6), probe=token_lists)
+def test_a_hit_is_exactly_the_longest_common_full_block_prefix(prompts, probe):
+    """Against a reference that compares tokens: equal prefixes hit, different ones never do,
+    and each hit block holds exactly the probe's tokens."""
+    bm = BlockManager(64, BLOCK)
+    contents: dict[int, list[int]] = {}  # block id -> tokens written into it
+    for i, prompt in enumerate(prompts):
+        seq = make_seq(i, prompt)
+        assert compute(bm, seq, len(prompt))
+        for j, block_id in enumerate(seq.block_table):
+            contents[block_id] = prompt[j * BLOCK : (j + 1) * BLOCK]
+        bm.free(seq)  # freed blocks stay cached (64 blocks: nothing is evicted)
+    hit = bm.lookup_prefix(make_seq(99, probe))
+    for j, block_id in enumerate(hit):
+        assert contents[block_id] == probe[j * BLOCK : (j + 1) * BLOCK]
+    # the reference: the longest run of full blocks some cached prompt shares with the probe
+    max_blocks = (len(probe) - 1) // BLOCK
+    expected = 0
+    for prompt in prompts:
+        shared = 0
+        while (shared < max_blocks and (shared + 1) * BLOCK <= len(prompt)
+               and prompt[: (shared + 1) * BLOCK] == probe[: (shared + 1) * BLOCK]):
+            shared += 1
+        expected = max(expected, shared)
+    assert len(hit) == expected

@@ -101,8 +101,10 @@ def test_abort_mid_step_frees_blocks_and_drops_the_token(model_dir):
     engine.add_request(AddRequest(2, list(range(40, 50)), greedy(50), 0, 0.0))
     engine.step()
     engine.take_report()
-    # the abort lands between the forward pass and output processing
-    engine.step(between_passes=lambda: engine.abort([1, 999]))  # 999: unknown id is a no-op
+    # an abort that arrives while the forward pass runs (as the pipe reader hands it over) is
+    # applied between the pass and the booking of its outputs
+    engine.late_aborts.append([1, 999])  # 999: unknown id is a no-op
+    engine.step()
     report = engine.take_report()
     assert 1 in report.finished
     assert all(o.request_id != 1 for o in report.outputs), "no token of an aborted request is emitted"

@@ -12,8 +12,7 @@ import time
 import pytest
 import trio
 
-from tidal.engine_client import EngineClient, EngineDead, Route
-from tidal.mailbox import Mailbox
+from tidal.engine_client import EngineClient, EngineDead
 from tidal.wire import (
     AbortRequests,
     AddRequest,
@@ -108,23 +107,41 @@ def test_closing_stdin_stops_the_engine():
     assert child.proc.wait(30) == 0
 
 
-async def test_engine_client_fails_requests_when_the_engine_dies():
+class RecordingListener:
+    """The frontend's side of the engine client's door, recorded."""
+
+    def __init__(self):
+        self.started: list[int] = []
+        self.first_output = trio.Event()
+        self.dead = trio.Event()
+        self.why = ""
+        self.engine = None
+
+    def on_report(self, report, engine):
+        self.started += report.started
+        if report.outputs:
+            self.first_output.set()
+
+    def on_engine_dead(self, engine, why):
+        self.engine, self.why = engine, why
+        self.dead.set()
+
+
+async def test_engine_client_tells_its_listener_when_the_engine_dies():
     client = EngineClient(EngineConfig(model="tidal-tiny", min_step_time=0.05), channel_capacity=64,
                           heartbeat_interval=0.2, heartbeat_timeout=5)
-    mailbox = Mailbox(1 << 20)
-    started = trio.Event()
+    listener = RecordingListener()
+    client.attach(listener)
     with trio.fail_after(60):
         with pytest.RaisesGroup(pytest.RaisesExc(EngineDead, match="exited"), flatten_subgroups=True):
             async with trio.open_nursery() as nursery:
                 ready = await nursery.start(client.run)
-                route = Route(mailbox, started.set, lambda out: None, lambda: None)
-                client.submit_nowait(AddRequest(1, [5, 6, 7], SamplingParams(max_tokens=1000), 0, 0.0), route)
-                await mailbox.take()
-                assert started.is_set() and client.healthy
+                client.submit_nowait(AddRequest(1, [5, 6, 7], SamplingParams(max_tokens=1000), 0, 0.0))
+                await listener.first_output.wait()
+                assert listener.started == [1] and client.healthy
                 os.kill(ready.pid, signal.SIGKILL)
-                with pytest.raises(EngineDead):
-                    while True:
-                        await mailbox.take()  # outputs may still be pending; then the error
+                await listener.dead.wait()  # told at once, with the reason
+                assert "exited" in listener.why and listener.engine is client
                 assert not client.healthy
                 await trio.sleep_forever()  # run() raises EngineDead and ends the nursery
 

@@ -20,24 +20,20 @@ def make_seq(rid: int, prompt_len: int, max_tokens: int, priority: int = 0) -> S
 
 
 def run_step(scheduler: Scheduler, budget: int, max_seqs: int) -> list[Sequence]:
-    """One step as the engine does it; returns the sequences that finished."""
+    """One step as the engine does it (the model samples token 7); returns the sequences that finished."""
     batch = scheduler.schedule()
     assert batch.num_tokens <= budget
     assert len(scheduler.running) <= max_seqs
     kinds = [seq.num_computed_tokens + n == seq.num_tokens and n == 1 for seq, n in batch.entries]
     assert kinds == sorted(kinds, reverse=True), "decodes first, then prefill chunks"
-    finished = []
     for seq, n in batch.entries:
         assert seq.status is SequenceStatus.RUNNING
         assert len(seq.block_table) * scheduler.block_manager.block_size >= seq.num_computed_tokens + n
-        seq.num_computed_tokens += n
-        scheduler.block_manager.register_full_blocks(seq)
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.append_token(7)
-            if len(seq.output_token_ids) >= seq.params.max_tokens:
-                scheduler.remove(seq)
-                finished.append(seq)
+    appended = scheduler.commit(batch, [7] * len(batch.sampling))
     scheduler.block_manager.check_invariants()
+    finished = [seq for seq in appended if seq.is_finished]
+    assert all(seq.finish_reason == "length" and len(seq.output_token_ids) == seq.params.max_tokens
+               for seq in finished)
     return finished
 
 
@@ -91,10 +87,7 @@ def test_priority_order_and_preemption_of_the_least_urgent():
     # both fit at first; as they grow, the cache runs out and the less urgent one yields
     steps = 0
     while low not in batch.preempted and steps < 20:
-        for seq, n in batch.entries:
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.append_token(7)
+        scheduler.commit(batch, [7] * len(batch.sampling))
         batch = scheduler.schedule()
         steps += 1
     assert low in batch.preempted and low.status is SequenceStatus.WAITING and not low.block_table

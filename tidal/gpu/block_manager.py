@@ -5,7 +5,9 @@ Pure Python over plain data (no torch), so it is tested on its own.
 A block holds ``block_size`` consecutive tokens of one sequence. A *full* block is
 registered in the prefix cache under a hash of its tokens chained with the hash of the
 block before it, so equal prefixes (a shared system prompt) map to the same blocks and
-are not recomputed. Blocks are reference counted: a prefix block shared by several
+are not recomputed. The hash is a 128-bit BLAKE2b digest: a hit is trusted without
+comparing tokens, so a collision would hand one request another's KV (a wrong answer, and
+across users a leak); Python's ``hash()`` of a tuple is 64 bits and not collision resistant. Blocks are reference counted: a prefix block shared by several
 sequences is freed when the last one lets go. A freed block that holds a cached prefix
 stays reusable until the allocator needs it for something else (least recently freed
 first); a freed block without a hash is reused before any cached one.
@@ -17,14 +19,25 @@ freed block.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
 
 from tidal.gpu.sequence import Sequence
 
 
-def hash_block(parent_hash: int | None, tokens: Seq[int]) -> int:
-    return hash((parent_hash, tuple(tokens)))
+ROOT_HASH = b""  # the "parent" of a sequence's first block
+HASH_BYTES = 16
+
+
+def hash_block(parent_hash: bytes, tokens: Seq[int]) -> bytes:
+    """Digest of a full block: BLAKE2b-128 over the parent's digest and the tokens as int32.
+
+    The parent digest has a fixed length (none for the first block) and a block always holds
+    ``block_size`` tokens, so distinct (parent, tokens) pairs never hash the same input.
+    """
+    return hashlib.blake2b(parent_hash + array("i", tokens).tobytes(), digest_size=HASH_BYTES).digest()
 
 
 class BlockManager:
@@ -35,8 +48,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
-        self._hash_of_block: list[int | None] = [None] * num_blocks
-        self._block_of_hash: dict[int, int] = {}
+        self._hash_of_block: list[bytes | None] = [None] * num_blocks
+        self._block_of_hash: dict[bytes, int] = {}
         self._free_plain: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
         self.num_prefix_hit_tokens = 0
@@ -72,7 +85,7 @@ class BlockManager:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         blocks: list[int] = []
-        parent: int | None = None
+        parent = ROOT_HASH
         tokens = seq.token_ids
         for i in range(max_blocks):
             parent = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
@@ -120,7 +133,7 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         tokens = seq.token_ids
         for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
             h = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
             seq.block_hashes.append(h)
             block_id = seq.block_table[i]

@@ -8,6 +8,7 @@ Two layers:
   the character arrives, so a trailing run of U+FFFD is held back.
 * stop strings: released text that could still turn out to be the start of a stop string is
   held back until it cannot; when a stop string completes, the text is cut just before it.
+  ``stop_strings.StopMatcher`` tracks what to hold, in time linear in the text.
 
 The output text continues the prompt: the window starts with the prompt's last tokens, so a
 decoder that drops a leading space at the start of a text (SentencePiece's Metaspace) keeps
@@ -18,6 +19,8 @@ the space of the first output token. For byte-level BPE this is exactly
 from __future__ import annotations
 
 from tokenizers import Tokenizer
+
+from tidal.gpu.stop_strings import StopMatcher
 
 REPLACEMENT = "\ufffd"
 # prompt tokens used as context for the first output token (only its boundary matters)
@@ -46,10 +49,7 @@ class IncrementalDetokenizer:
         # characters of decode(window) already released
         self._num_released = len(self._decode(self._window))
         self._stops = tuple(s for s in stop if s)
-        # every proper prefix of a stop string: the text that may have to be held back
-        self._stop_prefixes = frozenset(s[:n] for s in self._stops for n in range(1, len(s)))
-        self._stop_prefix_ends = frozenset(p[-1] for p in self._stop_prefixes)
-        self._max_hold = max((len(s) for s in self._stops), default=1) - 1
+        self._matcher = StopMatcher(self._stops) if self._stops else None
         self._held = ""
         self.stop_string: str | None = None
 
@@ -133,30 +133,27 @@ class IncrementalDetokenizer:
     # ------------------------------------------------------------------ stop strings
 
     def _release(self, new: str) -> str:
-        """Apply stop strings to newly decoded text; return what may be sent now."""
-        if not self._stops:
+        """Apply stop strings to newly decoded text; return what may be sent now.
+
+        Per call the work is linear in ``new`` plus the held text (bounded by the longest stop
+        string), so no request's stop strings can make a step slow."""
+        matcher = self._matcher
+        if matcher is None:
             return new
-        # The held text never contains a whole stop string, and any stop string that starts
-        # in text released earlier would have been held, so only held + new needs searching.
         text = self._held + new
-        earliest: tuple[int, str] | None = None
-        for stop in self._stops:
-            at = text.find(stop)
-            if at != -1 and (earliest is None or at < earliest[0]):
-                earliest = (at, stop)
-        if earliest is not None:
+        if matcher.feed(new):
+            # The held text never contains a whole stop string, and any stop string that starts
+            # in text released earlier would have been held, so only held + new needs searching.
+            # Of the stop strings in it, the one that starts first wins.
+            earliest: tuple[int, str] | None = None
+            for stop in self._stops:
+                at = text.find(stop)
+                if at != -1 and (earliest is None or at < earliest[0]):
+                    earliest = (at, stop)
+            assert earliest is not None
             self.stop_string = earliest[1]
             self._held = ""
             return text[: earliest[0]]
-        hold = self._hold_length(text)
+        hold = matcher.held_length
         self._held = text[len(text) - hold:] if hold else ""
         return text[: len(text) - hold]
-
-    def _hold_length(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        if not text or text[-1] not in self._stop_prefix_ends:
-            return 0
-        for length in range(min(self._max_hold, len(text)), 0, -1):
-            if text[-length:] in self._stop_prefixes:
-                return length
-        return 0

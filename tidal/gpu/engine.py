@@ -2,11 +2,11 @@
 
 ``step()`` tells the whole story of one iteration::
 
-    batch   = scheduler.schedule()             # who runs, how many tokens each
-    logits  = runner.execute(batch)            # one forward pass over the paged cache
-    tokens  = sampler.sample(logits)           # one token per sequence that reached its end
-    between_passes()                           # aborts that arrived mid-forward free blocks now
-    postprocess(tokens)                        # append, detokenize, check stops, emit outputs
+    batch  = scheduler.schedule()              # who runs, how many tokens each
+    tokens = forward(batch)                    # one pass over the paged cache, one token per sampler
+    apply_late_aborts()                        # the abort window: aborts that arrived mid-forward
+    scheduler.commit(batch, tokens)            # append, check stops, free what finished
+    emit(...)                                  # detokenize, one RequestOutput per new token
 
 Outputs, first-schedule events and finished ids collect in a pending report that the
 process loop sends after each step (``take_report``).
@@ -14,11 +14,10 @@ process loop sends after each step (``take_report``).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
-from collections.abc import Callable
-
 import torch
 from tokenizers import Tokenizer
 
@@ -26,9 +25,9 @@ from tidal.gpu.block_manager import BlockManager
 from tidal.gpu.detokenizer import IncrementalDetokenizer
 from tidal.gpu.model_runner import ModelRunner
 from tidal.gpu.sampler import Sampler, make_generator
-from tidal.gpu.scheduler import Scheduler
+from tidal.gpu.scheduler import ScheduledBatch, Scheduler
 from tidal.gpu.sequence import Sequence
-from tidal.wire import AddRequest, EngineConfig, EngineStats, Ready, RequestOutput, StepReport
+from tidal.wire import AddRequest, FinishReason, EngineConfig, EngineStats, Ready, RequestOutput, StepReport
 
 log = logging.getLogger("tidal.engine")
 
@@ -56,6 +55,9 @@ class Engine:
         self._outputs: list[RequestOutput] = []
         self._finished: list[int] = []
         self._dirty = False
+        # ids whose abort arrived while a forward pass ran: the pipe reader thread appends
+        # them (deque appends are thread-safe) and the step applies them in its abort window
+        self.late_aborts: collections.deque[list[int]] = collections.deque()
 
     def ready_message(self) -> Ready:
         mc = self.runner.model_config
@@ -89,6 +91,8 @@ class Engine:
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, msg.prompt_token_ids, params.stop, params.skip_special_tokens),
             generator=make_generator(params.seed, self.runner.device),
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
         )
         self.sequences[seq.request_id] = seq
         if not seq.prompt_token_ids or seq.num_tokens >= self.max_model_len:
@@ -111,69 +115,64 @@ class Engine:
     # ------------------------------------------------------------------ the step
 
     @torch.inference_mode()
-    def step(self, between_passes: Callable[[], None] = lambda: None) -> bool:
+    def step(self) -> bool:
         """Run one iteration. False if nothing could be scheduled (waiting for blocks)."""
         batch = self.scheduler.schedule()
         self._started.extend(seq.request_id for seq in batch.started)
         if not batch:
             return False
         self.num_steps += 1
+        tokens = self._forward(batch)
+        self._apply_late_aborts()  # the abort window: the pass is over, its outputs not yet booked
+        for seq in self.scheduler.commit(batch, tokens):
+            self._emit(seq)
+        self._dirty = True
+        return True
+
+    def _forward(self, batch: ScheduledBatch) -> list[int]:
+        """One forward pass and one sampled token per ``batch.sampling`` sequence."""
         logits, sampling = self.runner.execute(batch.entries)
-        tokens = self.sampler.sample(
+        return self.sampler.sample(
             logits,
             [seq.params for seq in sampling],
             [seq.output_token_ids for seq in sampling],
             [seq.prompt_token_ids for seq in sampling],
             [seq.generator for seq in sampling],
         )
-        between_passes()  # may abort sequences of this batch: their tokens are dropped below
-        for seq, num_new in batch.entries:
-            if not seq.is_finished:
-                seq.num_computed_tokens += num_new
-                self.block_manager.register_full_blocks(seq)
-        for seq, token_id in zip(sampling, tokens):
-            if not seq.is_finished:
-                self._append_token(seq, token_id)
-        self._dirty = True
-        return True
 
-    def _append_token(self, seq: Sequence, token_id: int) -> None:
-        seq.append_token(token_id)
-        params = seq.params
-        text = ""
-        finish = None
-        if token_id in self.eos_token_ids and not params.ignore_eos:
-            finish = "stop"
-        elif token_id in params.stop_token_ids:
-            finish, seq.stop_reason = "stop", token_id
-        else:
-            text = seq.detokenizer.append(token_id)
-            if seq.detokenizer.stop_string is not None:
-                finish, seq.stop_reason = "stop", seq.detokenizer.stop_string
-            elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                finish = "length"
-        if finish is not None and seq.detokenizer.stop_string is None:
-            text += seq.detokenizer.flush()
+    def _apply_late_aborts(self) -> None:
+        """Abort the requests whose abort arrived while the forward pass ran.
+
+        An id the engine does not know yet (its AddRequest is still in the inbox) is left to
+        the in-order path: the process loop handles that abort after the add.
+        """
+        while self.late_aborts:
+            self.abort(self.late_aborts.popleft())
+
+    def _emit(self, seq: Sequence) -> None:
+        """The output of a sequence that got a token this step."""
         self._outputs.append(RequestOutput(
             request_id=seq.request_id,
-            token_ids=[token_id],
-            text=text,
-            finish_reason=finish,
+            token_ids=[seq.output_token_ids[-1]],
+            text=seq.take_text(),
+            finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
         ))
-        if finish is not None:
-            self._finish(seq, finish, emit_output=False)
+        if seq.finish_reason is not None:
+            self._forget(seq)
 
-    def _finish(self, seq: Sequence, reason: str, emit_output: bool = True) -> None:
-        self.scheduler.remove(seq)
-        seq.finish_reason = reason  # type: ignore[assignment]
-        del self.sequences[seq.request_id]
+    def _finish(self, seq: Sequence, reason: FinishReason, emit_output: bool = True) -> None:
+        self.scheduler.finish(seq, reason)
         if emit_output:
             self._outputs.append(RequestOutput(
-                request_id=seq.request_id, token_ids=[], text="", finish_reason=reason,  # type: ignore[arg-type]
+                request_id=seq.request_id, token_ids=[], text="", finish_reason=reason,
                 num_prompt_tokens=seq.num_prompt_tokens))
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        del self.sequences[seq.request_id]
         self._finished.append(seq.request_id)
         self._dirty = True
 

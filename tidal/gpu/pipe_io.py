@@ -1,7 +1,8 @@
 """The engine's side of the pipes: one reader thread, one writer thread.
 
 The step loop never blocks on I/O. The reader thread decodes frames into an inbox the
-loop drains between (and in the middle of) steps. The writer thread sends what the loop
+loop drains between steps, and hands abort ids straight to the engine's ``late_aborts``
+(applied in the middle of a step). The writer thread sends what the loop
 puts in the outbox; while the pipe is full (the frontend is behind), new step reports
 are *merged* into the pending one, request by request, so nothing is dropped and the
 loop never waits.
@@ -9,11 +10,13 @@ loop never waits.
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
 
 from tidal.wire import (
+    AbortRequests,
     FrameSplitter,
     RequestOutput,
     Shutdown,
@@ -31,9 +34,11 @@ INBOX_MAX_MESSAGES = 65536
 class Inbox:
     """Frames from the frontend, decoded by a daemon thread."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, late_aborts: collections.deque[list[int]] | None = None):
         self._fd = fd
         self._queue: queue.Queue[ToEngine] = queue.Queue(INBOX_MAX_MESSAGES)
+        # an abort also goes here at once, for the step in flight (the queued copy keeps order)
+        self._late_aborts = late_aborts
         self._thread = threading.Thread(target=self._run, name="tidal-engine-reader", daemon=True)
         self._thread.start()
 
@@ -45,7 +50,10 @@ class Inbox:
                 if not data:
                     break  # the frontend is gone: behave as if told to shut down
                 for body in splitter.feed(data):
-                    self._queue.put(decode_to_engine(body))
+                    message = decode_to_engine(body)
+                    if self._late_aborts is not None and isinstance(message, AbortRequests):
+                        self._late_aborts.append(message.request_ids)
+                    self._queue.put(message)
         except OSError:
             pass
         self._queue.put(Shutdown())

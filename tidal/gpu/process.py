@@ -1,8 +1,9 @@
 """The engine process's main loop: drain the inbox, step, send the report. Nothing else.
 
-Messages are handled at two points per step: before scheduling, and between the forward
-pass and the processing of its outputs, so an abort that arrives mid-forward frees the
-request's KV blocks in that same step.
+Messages are handled in order between steps. Aborts also reach the step directly: the
+inbox's reader thread hands their ids to ``engine.late_aborts`` as they arrive, and the step
+applies them between the forward pass and the booking of its outputs, so an abort that
+arrives mid-forward frees the request's KV blocks in that same step.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def run_engine_process(in_fd: int, out_fd: int) -> int:
         if not isinstance(exc, (ValueError, OSError)):  # a bad flag or path needs no traceback
             traceback.print_exc()
         return 1
-    inbox = Inbox(in_fd)
+    inbox = Inbox(in_fd, late_aborts=engine.late_aborts)
     outbox.put_control(engine.ready_message())
     try:
         _loop(engine, inbox, outbox)
@@ -97,7 +98,7 @@ def _loop(engine, inbox, outbox) -> None:
         drain()
         if shutting_down:
             break
-        if engine.has_work() and not engine.step(between_passes=drain):
+        if engine.has_work() and not engine.step():
             # nothing fits right now (all blocks held): wait for a message, not a spin
             message = inbox.get(timeout=0.005)
             if message is not None:

@@ -12,6 +12,10 @@ Every step the scheduler picks which sequences run and how many of their tokens:
    ``max_num_seqs`` bound and the free blocks allow. Waiting is strictly in order: a
    request that does not fit blocks the ones behind it (no starvation of long prompts).
 
+After the forward pass, ``commit`` books its results: the computed tokens advance, full
+blocks go to the prefix cache, each sampled token is appended and checked against the stop
+conditions, and finished sequences leave and free their blocks.
+
 Pure Python over ``Sequence`` and ``BlockManager``; no torch.
 """
 
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 
 from tidal.gpu.block_manager import BlockManager
 from tidal.gpu.sequence import Sequence, SequenceStatus
+from tidal.wire import FinishReason
 
 
 @dataclass
@@ -30,6 +35,8 @@ class ScheduledBatch:
     entries: list[tuple[Sequence, int]] = field(default_factory=list)
     started: list[Sequence] = field(default_factory=list)  # scheduled for the first time
     preempted: list[Sequence] = field(default_factory=list)
+    # the sequences whose chunk reaches their last token: each samples one token, in entry order
+    sampling: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +76,10 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.remove(seq)
+        seq.finish_reason = reason
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -125,7 +136,32 @@ class Scheduler:
             budget -= num_new
 
         batch.entries = decodes + prefills
+        batch.sampling = [seq for seq, n in batch.entries if seq.num_computed_tokens + n == seq.num_tokens]
         return batch
+
+    # ------------------------------------------------------------------ after the forward pass
+
+    def commit(self, batch: ScheduledBatch, tokens: list[int]) -> list[Sequence]:
+        """Book a finished forward pass; ``tokens`` holds one sampled id per ``batch.sampling``.
+
+        Sequences that finished since the batch was scheduled (aborted while the pass ran)
+        are skipped: their work and token are dropped. Returns the sequences that got a
+        token, in order; those that finished with it have ``finish_reason`` set and are out.
+        """
+        blocks = self.block_manager
+        for seq, num_new in batch.entries:
+            if not seq.is_finished:
+                seq.num_computed_tokens += num_new
+                blocks.register_full_blocks(seq)
+        appended = []
+        for seq, token_id in zip(batch.sampling, tokens, strict=True):
+            if seq.is_finished:
+                continue
+            reason = seq.append_token(token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+            appended.append(seq)
+        return appended
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Free a running sequence's blocks and requeue it for recomputation."""

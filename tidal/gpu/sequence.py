@@ -36,14 +36,25 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first schedule)
-    block_hashes: list[int] = field(default_factory=list)  # content hash of each full block
+    block_hashes: list[bytes] = field(default_factory=list)  # content digest of each full block
     started: bool = False  # has been scheduled at least once (left the queue)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int | None = None
+    # text: output tokens fed to the detokenizer so far, and released text not yet reported
+    num_detokenized: int = 0
+    text: str = ""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        params = self.params
+        # every id that ends the sequence when sampled (EOS unless ignored, stop_token_ids)
+        self.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_token_ids)
+        limit = len(self.prompt_token_ids) + params.max_tokens
+        self.max_num_tokens = min(limit, self.max_model_len) if self.max_model_len else limit
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +78,45 @@ class Sequence:
             return (self.priority, self.arrival_time, self.arrival_order)
         return (self.arrival_time, self.arrival_order)
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Add one sampled token; return why the sequence ends with it, or None.
+
+        Stop checks in order: EOS, stop_token_ids (the id is the stop reason), stop strings
+        (which need this token's text now), max_tokens and max_model_len.
+        """
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+        if token_id in self.stop_ids:
+            if token_id not in self.eos_token_ids or self.params.ignore_eos:
+                self.stop_reason = token_id
+            return "stop"
+        if self.params.stop:
+            self.detokenize()
+            if self.detokenizer.stop_string is not None:
+                self.stop_reason = self.detokenizer.stop_string
+                return "stop"
+        if len(self.token_ids) >= self.max_num_tokens:
+            return "length"
+        return None
+
+    def detokenize(self) -> None:
+        """Feed the output tokens not yet decoded to the detokenizer; collect released text.
+
+        A token that ended the sequence by its id (EOS, stop_token_ids) has no text; a
+        sequence that ended for any reason but a stop string releases all held-back text.
+        """
+        end = len(self.output_token_ids)
+        if self.finish_reason == "stop" and self.detokenizer.stop_string is None:
+            end -= 1  # the stop token
+        detokenizer = self.detokenizer
+        for token_id in self.output_token_ids[self.num_detokenized:end]:
+            self.text += detokenizer.append(token_id)
+        self.num_detokenized = max(end, self.num_detokenized)
+        if self.finish_reason is not None and self.finish_reason != "abort":
+            self.text += detokenizer.flush()
+
+    def take_text(self) -> str:
+        """The text released since the last call (decoding what is still undecoded)."""
+        self.detokenize()
+        text, self.text = self.text, ""
+        return text

@@ -1,0 +1,95 @@
+"""The engine's own work per step, with a forward pass of fixed length (issue 11 item 2).
+
+    python benchmarks/engine_overhead.py [--batches 1,16,64,256] [--step-ms 4.48]
+                                         [--steps 200] [--runs 5] [--sampling greedy|random|stop]
+                                         [--threads 1]
+
+In-process, offline: the engine runs ``tidal-test`` with ``min_step_time`` = STEP (the forward
+pass is a sleep of that length, the Llama-3-8B-on-H100 decode floor), so everything else a step
+costs is the engine's own Python: scheduling, input preparation, sampling, appending tokens,
+detokenizing, stop checks, the report. B requests decode together (prompts of 16 tokens, no
+EOS); after a warm-up we time ``--steps`` steps driven exactly as the engine process drives
+them (``Engine.step`` + ``take_report``) and print, per batch, the median over ``--runs`` runs
+of the step time and the overhead not hidden behind the forward (step - STEP).
+
+``--sampling``: greedy (temperature 0), random (temperature 1, top_p 0.9, the API's usual
+shape) or stop (greedy with a stop string that never matches, so every token's text is checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from tidal.gpu.engine import Engine
+from tidal.wire import AddRequest, EngineConfig, SamplingParams
+
+WARMUP_STEPS = 20
+
+
+def sampling_params(kind: str, max_tokens: int) -> SamplingParams:
+    if kind == "greedy":
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    if kind == "random":
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.9, ignore_eos=True)
+    if kind == "stop":
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=("\x00never",))
+    raise ValueError(kind)
+
+
+def time_steps(engine: Engine, batch: int, steps: int, kind: str, first_id: int) -> float:
+    """Seconds per step over ``steps`` decode steps with ``batch`` running requests."""
+    params = sampling_params(kind, WARMUP_STEPS + steps + 8)
+    for i in range(batch):
+        engine.add_request(AddRequest(first_id + i, [100 + (i + j) % 50 for j in range(16)], params, 0, 0.0))
+    for _ in range(WARMUP_STEPS):  # the prefill and a few decodes
+        engine.step()
+        engine.take_report()
+    assert len(engine.scheduler.running) == batch
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+        engine.take_report()
+    elapsed = time.perf_counter() - start
+    engine.abort_all()
+    engine.take_report()
+    return elapsed / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--step-ms", type=float, default=4.48)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--sampling", default="greedy", choices=["greedy", "random", "stop"])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the host is shared: 1 is steadiest)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    step = args.step_ms / 1000
+    engine = Engine(EngineConfig(model="tidal-test", min_step_time=step, max_num_seqs=max(batches),
+                                 max_num_batched_tokens=max(2048, 16 * max(batches)), num_kv_blocks=8192))
+    results: dict[int, list[float]] = {b: [] for b in batches}
+    next_id = 0
+    for _ in range(args.runs):  # interleave the batches so drift in machine load hits all alike
+        for batch in batches:
+            results[batch].append(time_steps(engine, batch, args.steps, args.sampling, next_id))
+            next_id += batch
+    print(f"\ntidal-test, forward {args.step_ms} ms, {args.sampling} sampling, {args.steps} steps x "
+          f"{args.runs} runs (median), torch threads {args.threads}\n")
+    print("| batch | step ms | overhead ms | steps/s | % of ideal |")
+    print("|---:|---:|---:|---:|---:|")
+    for batch in batches:
+        t = statistics.median(results[batch])
+        print(f"| {batch} | {t * 1e3:.2f} | {(t - step) * 1e3:.2f} | {1 / t:.0f} | {step / t * 100:.0f}% |")
+    print("\nper-run step ms: " + "; ".join(
+        f"{b}: " + ", ".join(f"{t * 1e3:.2f}" for t in results[b]) for b in batches), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

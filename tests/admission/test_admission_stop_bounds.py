@@ -1,0 +1,96 @@
+"""Stop strings and stop_token_ids: a 400 one past each documented bound, service at it, and
+requests at the bounds do not stall anyone else.
+
+Before linear stop matching, one request with 16 distinct stop strings of 4096 characters cost
+the engine ~0.5 s to set up (a 40k one 1.6 s and 0.8 GB), during which no other stream moved;
+eight of them stalled a neighbour's stream for seconds. Steps last >= 20 ms, so the neighbour's
+frames are ~20 ms apart when nothing stalls; the 1 s limit leaves a slow shared host a wide margin.
+"""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+import trio
+
+from admission_clients import PROMPT, async_client, completion_body, metrics_async, stream
+from live_server import LiveServer
+from tidal.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LiveServer("--min-step-time", "0.02") as s:
+        yield s
+
+
+def distinct_stops(count: int, length: int, seed: int = 0) -> list[str]:
+    """Stop strings that share no prefix (the worst case for a set of prefixes) and never occur."""
+    rng = random.Random(seed)
+    return [f"\x00{i:02d}" + "".join(rng.choice("ab") for _ in range(length - 3)) for i in range(count)]
+
+
+def post(server, **fields) -> httpx.Response:
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, **fields}
+    return httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+
+
+BOUNDS = [
+    # (id, fields at the bound, fields one past it, param, a piece of the message)
+    ("stop-count", {"stop": distinct_stops(MAX_STOP_STRINGS, 8)}, {"stop": distinct_stops(MAX_STOP_STRINGS + 1, 8)},
+     "stop", f"at most {MAX_STOP_STRINGS} stop strings are supported (got {MAX_STOP_STRINGS + 1})"),
+    ("stop-length", {"stop": distinct_stops(1, MAX_STOP_CHARS)}, {"stop": distinct_stops(1, MAX_STOP_CHARS + 1)},
+     "stop", f"a stop string may have at most {MAX_STOP_CHARS} characters (got {MAX_STOP_CHARS + 1})"),
+    ("stop-length-as-a-string", {"stop": "x" * MAX_STOP_CHARS}, {"stop": "x" * (MAX_STOP_CHARS + 1)},
+     "stop", f"at most {MAX_STOP_CHARS} characters"),
+    ("stop-token-ids", {"stop_token_ids": [7] * MAX_STOP_TOKEN_IDS}, {"stop_token_ids": [7] * (MAX_STOP_TOKEN_IDS + 1)},
+     "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported (got {MAX_STOP_TOKEN_IDS + 1})"),
+]
+
+
+@pytest.mark.parametrize("at, past, param, message", [b[1:] for b in BOUNDS], ids=[b[0] for b in BOUNDS])
+def test_one_past_the_bound_is_a_400_and_the_bound_is_served(server, at, past, param, message):
+    refused = post(server, **past)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] == 400
+    assert message in error["message"]
+    served = post(server, **at)
+    assert served.status_code == 200, served.text
+    assert served.json()["usage"]["completion_tokens"] >= 1
+
+
+async def test_requests_at_the_bounds_leave_a_neighbour_stream_flowing(server):
+    # The greedy text the heavy requests will produce: their stop strings begin with it, so the
+    # whole output is a partial match that is held back until the end (the most held text).
+    async with async_client(server) as client:
+        probe = await stream(client, completion_body(24))
+    assert probe.status == 200
+    output = probe.text
+    heavy_stops = [output + tail[len(output):] for tail in distinct_stops(MAX_STOP_STRINGS, MAX_STOP_CHARS)]
+    assert all(len(s) == MAX_STOP_CHARS for s in heavy_stops)
+
+    results = {}
+    async with async_client(server) as client, trio.open_nursery() as nursery:
+        async def neighbour():
+            results["neighbour"] = await stream(client, completion_body(120))
+
+        async def heavy(i):
+            await trio.sleep(0.3 + 0.05 * i)  # while the neighbour streams
+            results[i] = await stream(client, completion_body(24, stop=heavy_stops))
+
+        nursery.start_soon(neighbour)
+        for i in range(8):
+            nursery.start_soon(heavy, i)
+
+    n = results.pop("neighbour")
+    assert n.status == 200 and n.finish_reason == "length" and n.usage["completion_tokens"] == 120
+    longest_gap = max(n.gaps())
+    assert longest_gap < 1.0, f"the neighbour's stream stalled for {longest_gap:.2f} s"
+    for r in results.values():
+        assert r.status == 200 and r.finish_reason == "length"
+        assert r.text == output  # held back as a possible stop, released whole at the end
+    m = await metrics_async(server)
+    assert m["tidal:num_requests_running"] == 0

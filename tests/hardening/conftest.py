@@ -1,0 +1,24 @@
+"""One live ``tidal serve`` shared by the hardening tests (package scope).
+
+``server``: the default 16 MiB body limit (so deeply nested JSON fits under it), a 64-token
+context so that any request the fuzzer makes valid finishes in a few steps, and slow-enough
+steps (>= 20 ms) that a stream is still running while a test acts beside it, and a 2 s
+`--body-timeout` so that a body that never finishes is cut quickly.
+"""
+
+from __future__ import annotations
+
+import pytest
+from live_server import LiveServer
+
+MAX_MODEL_LEN = 64
+STEP_TIME = 0.02
+BODY_TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="package")
+def server():
+    with LiveServer("--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "128",
+                    "--body-timeout", str(BODY_TIMEOUT),
+                    "--min-step-time", str(STEP_TIME)) as live:
+        yield live
