@@ -90,6 +90,8 @@ class Server:
             nursery.start_soon(frontend.watch_stalls)
             nursery.start_soon(state.sample)
             log.info("tidal ready: serving %s at %s (engine pid %d)", cfg.model_name, self.urls[0], ready.pid)
+            if cfg.ui:
+                log.info("chat page: %s/ (--no-ui turns it off)", self.urls[0])
             task_status.started(self.urls)
             await self._stopped.wait()
             nursery.cancel_scope.cancel()

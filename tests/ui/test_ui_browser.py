@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 
 import httpx
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, start_all, stop_all
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -27,16 +26,10 @@ SERVER_FLAGS = ("--model", "tidal-test", "--min-step-time", "0.05", "--max-num-s
 @pytest.fixture(scope="module")
 def servers():
     """The page's server and one that requires an API key, started side by side."""
-    plain, keyed = LiveServer(*SERVER_FLAGS), LiveServer(*SERVER_FLAGS, "--api-key", API_KEY)
-    keyed_start = threading.Thread(target=keyed.start)
-    keyed_start.start()
-    try:
-        plain.start()
-    finally:
-        keyed_start.join()
-    yield plain, keyed
-    plain.stop()
-    keyed.stop()
+    pair = [LiveServer(*SERVER_FLAGS), LiveServer(*SERVER_FLAGS, "--api-key", API_KEY)]
+    start_all(pair)
+    yield pair
+    stop_all(pair)
 
 
 def wait(driver, condition, timeout: float = 20.0):
