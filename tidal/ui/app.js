@@ -121,10 +121,11 @@ function endAnswer(how, text, usage) {
   const current = answer;
   answer = null;
   current.el.classList.remove("streaming");
+  const stillShown = current.el.isConnected;  // false once "New chat" cleared it mid-stream
   if (how === "error") {
-    conversation.pop();  // the question got no answer: it is not part of the conversation
+    if (stillShown) conversation.pop();  // the question got no answer: it leaves the conversation
     current.el.classList.add("failed");
-  } else {
+  } else if (stillShown) {
     conversation.push({ role: "assistant", content: current.text });
   }
   if (text) notice(current.el, how, text);
