@@ -1,6 +1,11 @@
 """The process boundary is visible in the imports: the engine never imports trio, quart or
 hypercorn; the frontend never imports torch or the engine's internals; the kernels import
-nothing of tidal; ``tidal.wire`` is the one module both sides share."""
+nothing of tidal; ``tidal.wire`` is the one module both sides share.
+
+Every import form counts: ``import tidal.x``, ``from tidal import x``, ``from tidal.x import y``,
+relative imports (resolved against the file's package), and ``importlib.import_module`` /
+``__import__`` of a literal name, anywhere in the file (functions included).
+"""
 
 from __future__ import annotations
 
@@ -9,45 +14,125 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tidal"
 FRONTEND_ONLY = {"trio", "quart", "quart_trio", "hypercorn", "trio_websocket", "h11", "wsproto"}
 ENGINE_ONLY = {"torch", "triton", "safetensors"}
 
 
-def imported_modules(path: pathlib.Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+def package_of(path: pathlib.Path) -> str:
+    """``tidal/gpu/models/llama.py`` -> ``tidal.gpu.models`` (a package's __init__ is its own package)."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1])
+
+
+def imported_modules(source: str, package: str) -> set[str]:
+    """Every module name ``source`` may import, absolute. ``from a import b`` gives both ``a``
+    and ``a.b`` (b may be a submodule)."""
     names = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called in ("import_module", "__import__") and not node.args[0].value.startswith("."):
+                names.add(node.args[0].value)
     return names
+
+
+def modules_of(path: pathlib.Path) -> set[str]:
+    return imported_modules(path.read_text(), package_of(path))
 
 
 def top(name: str) -> str:
     return name.split(".")[0]
 
 
+def within(name: str, *packages: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def engine_violations(names: set[str]) -> list[str]:
+    return [name for name in sorted(names)
+            if top(name) in FRONTEND_ONLY
+            or (top(name) == "tidal" and name != "tidal"
+                and not within(name, "tidal.gpu", "tidal.kernels", "tidal.wire"))]
+
+
+def frontend_violations(names: set[str]) -> list[str]:
+    return [name for name in sorted(names) if top(name) in ENGINE_ONLY or within(name, "tidal.gpu", "tidal.kernels")]
+
+
+def kernel_violations(names: set[str]) -> list[str]:
+    return [name for name in sorted(names) if top(name) == "tidal" and not within(name, "tidal.kernels")]
+
+
+@pytest.mark.parametrize("source", [
+    "import tidal.frontend",
+    "import tidal.frontend as f",
+    "from tidal import frontend",
+    "from tidal import wire, api",
+    "from tidal.mailbox import Mailbox",
+    "from .. import frontend",
+    "from ..streaming import OutputReader",
+    "import trio",
+    "from quart import websocket",
+    "def later():\n    import hypercorn.trio",
+    "import importlib\nimportlib.import_module('tidal.engine_client')",
+    "__import__('trio')",
+])
+def test_the_engine_check_sees_every_import_form(source):
+    assert engine_violations(imported_modules(source, "tidal.gpu")), source
+
+
+@pytest.mark.parametrize("source", [
+    "from tidal import wire", "from tidal.wire import StepReport", "import tidal.wire", "from .. import wire",
+    "from . import sampler", "from .models import llama", "from tidal import kernels", "import torch",
+])
+def test_the_engine_may_import_itself_the_kernels_and_the_wire(source):
+    assert engine_violations(imported_modules(source, "tidal.gpu")) == [], source
+
+
+@pytest.mark.parametrize("source", [
+    "from tidal import gpu", "import tidal.gpu.engine", "from tidal.gpu.sampler import Sampler",
+    "from .gpu import engine", "from . import kernels", "import torch", "from triton import language",
+])
+def test_the_frontend_check_sees_every_import_form(source):
+    assert frontend_violations(imported_modules(source, "tidal")), source
+
+
+@pytest.mark.parametrize("source", ["from tidal import wire", "from .. import wire", "import tidal.gpu",
+                                    "from tidal.gpu import attention"])
+def test_the_kernel_check_sees_every_import_form(source):
+    assert kernel_violations(imported_modules(source, "tidal.kernels")), source
+
+
 def test_engine_never_imports_the_frontend_stack():
     for path in (PACKAGE / "gpu").rglob("*.py"):
-        for name in imported_modules(path):
-            assert top(name) not in FRONTEND_ONLY, f"{path.name} imports {name}"
-            if name.startswith("tidal.") and not name.startswith(("tidal.gpu", "tidal.kernels")):
-                assert name == "tidal.wire", f"{path.name} imports {name}: the engine shares only tidal.wire"
+        assert engine_violations(modules_of(path)) == [], f"{path.relative_to(PACKAGE)}: shares tidal.wire only"
 
 
 def test_frontend_never_imports_torch_or_engine_internals():
-    for path in PACKAGE.glob("*.py"):
-        for name in imported_modules(path):
-            assert top(name) not in ENGINE_ONLY, f"{path.name} imports {name}"
-            assert not name.startswith(("tidal.gpu", "tidal.kernels")), f"{path.name} imports {name}"
+    engine_side = (PACKAGE / "gpu", PACKAGE / "kernels")
+    for path in PACKAGE.rglob("*.py"):
+        if not any(side in path.parents for side in engine_side):
+            assert frontend_violations(modules_of(path)) == [], f"{path.relative_to(PACKAGE)}"
 
 
 def test_kernels_import_nothing_of_tidal():
     for path in (PACKAGE / "kernels").rglob("*.py"):
-        for name in imported_modules(path):
-            assert top(name) != "tidal", f"{path.name} imports {name}"
+        assert kernel_violations(modules_of(path)) == [], f"{path.relative_to(PACKAGE)}"
 
 
 def test_running_the_frontend_does_not_load_torch():

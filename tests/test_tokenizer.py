@@ -1,16 +1,21 @@
 """Prompt tokenisation: short prompts inline on the event loop, longer ones in a limited
-worker thread, the same token ids either way. The bound is INLINE_MAX_CHARS characters."""
+worker thread, the same token ids either way. The bound is INLINE_MAX_CHARS characters.
+Long prompts leave the event loop running, the wait for a thread is bounded, and a prompt
+longer than the context can hold is refused before tokenising."""
 
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import trio
+import trio.testing
 
 import tidal
 from tidal import tokenizer as tokenizer_module
-from tidal.tokenizer import INLINE_MAX_CHARS, PromptTokenizer
+from tidal.protocol import ApiError
+from tidal.tokenizer import INLINE_MAX_CHARS, MAX_WAITING_PER_WORKER, TOKENIZER_QUEUE_FULL, PromptTokenizer
 
 ASSETS = os.path.join(os.path.dirname(tidal.__file__), "assets", "tidal-tiny")
 
@@ -53,3 +58,78 @@ async def test_chat_bound_counts_message_content(prompt_tokenizer, thread_calls)
     rendered = prompt_tokenizer.tokenizer.apply_chat_template(over, add_generation_prompt=True, tokenize=False)
     assert threaded_ids == prompt_tokenizer.tokenizer.encode(rendered, add_special_tokens=False)
     assert inline_ids[0] == threaded_ids[0]  # both start with the template's BOS, added once
+
+
+async def test_a_long_prompt_leaves_the_event_loop_running(prompt_tokenizer):
+    """Tokenising ~1 MB takes about a second; with the GIL held (``encode``) no other task ran
+    meanwhile. Now a task that wakes every 10 ms keeps waking while the thread works."""
+    text = ("The tide comes in and the tide goes out. " * 25000)[:1_000_000]
+    ticks = 0
+    done = False
+
+    async def ticker():
+        nonlocal ticks
+        while not done:
+            await trio.sleep(0.01)
+            ticks += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        await trio.sleep(0.05)
+        start, ticks_before = trio.current_time(), ticks
+        ids = await prompt_tokenizer.encode_text(text)
+        elapsed, ticked = trio.current_time() - start, ticks - ticks_before
+        done = True
+    assert len(ids) > 100_000
+    # with the GIL held a handful of wake-ups happen (4 of ~150 measured); now most of them do
+    assert ticked >= max(10, elapsed / 0.01 / 10), (ticked, elapsed)
+
+
+async def test_at_most_max_waiting_prompts_wait_for_a_thread_then_503(prompt_tokenizer, monkeypatch):
+    release = threading.Event()
+    original = prompt_tokenizer._encode_text
+
+    def blocked(text):
+        release.wait(30)
+        return original(text)
+
+    monkeypatch.setattr(prompt_tokenizer, "_encode_text", blocked)
+    bound = MAX_WAITING_PER_WORKER * 1  # the fixture has one worker
+    assert prompt_tokenizer.max_waiting == bound
+    long_text = "x" * (INLINE_MAX_CHARS + 1)
+    results = []
+
+    async def encode():
+        results.append(await prompt_tokenizer.encode_text(long_text))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(1 + bound):  # one runs, `bound` wait: the last of them is at the bound
+            nursery.start_soon(encode)
+        await trio.testing.wait_all_tasks_blocked()
+        assert prompt_tokenizer.limiter.statistics().tasks_waiting == bound
+        with pytest.raises(ApiError) as refused:
+            await prompt_tokenizer.encode_text(long_text)
+        assert refused.value.status == 503 and refused.value.message == TOKENIZER_QUEUE_FULL
+        assert refused.value.type == "service_unavailable" and refused.value.headers == {"Retry-After": "1"}
+        release.set()
+    assert len(results) == 1 + bound and all(ids == results[0] for ids in results)
+
+
+async def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_tokenising(thread_calls):
+    tokenizer = PromptTokenizer(ASSETS, workers=1, max_model_len=64)
+    bound = tokenizer.max_prompt_chars
+    longest_token = max(map(len, tokenizer._fast.get_vocab(with_added_tokens=True)))
+    assert bound == 64 * longest_token  # tidal-tiny has no normalizer
+    at_bound = "x" * bound
+    assert await tokenizer.encode_text(at_bound) == tokenizer.tokenizer.encode(at_bound)
+    assert thread_calls == ["_encode_text"]
+    with pytest.raises(ApiError) as refused:
+        await tokenizer.encode_text(at_bound + "x")
+    assert refused.value.status == 400 and refused.value.param == "prompt"
+    assert f"at most {bound} characters" in refused.value.message
+    half = bound // 2
+    with pytest.raises(ApiError) as refused:
+        await tokenizer.encode_chat([{"role": "system", "content": "s" * half},
+                                     {"role": "user", "content": "u" * (bound - half + 1)}])
+    assert refused.value.status == 400 and refused.value.param == "messages"
+    assert thread_calls == ["_encode_text"]  # neither refusal reached a thread

@@ -112,3 +112,34 @@ def test_qwen2_differs_from_reading_tokenizer_json_as_is(tmp_path):
     auto = AutoTokenizer.from_pretrained(model_dir)
     as_is = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     assert any(as_is.encode(t).ids != auto(t).input_ids for t in TEXTS)
+
+
+def test_a_served_qwen2_model_answers_as_transformers_generate(tmp_path):
+    """End to end: the server's prompt ids (usage) and greedy text equal AutoTokenizer +
+    ``generate`` for a Qwen2 directory, on text where tokenizer.json read as is differs."""
+    import httpx
+    from hf_models import hf_greedy, load_hf_model
+    from live_server import LiveServer
+    from transformers import AutoTokenizer
+
+    model_dir = make_hf_model("qwen2", tmp_path)
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["tokenizer_class"] = "Qwen2Tokenizer"
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    auto = AutoTokenizer.from_pretrained(model_dir)
+    as_is = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    text = next(t for t in TEXTS if as_is.encode(t).ids != auto(t).input_ids)
+    prompt_ids = auto(text).input_ids
+    expected = auto.decode(hf_greedy(load_hf_model(model_dir), prompt_ids, 8), skip_special_tokens=True)
+    messages = MESSAGES[0]
+    chat_prompt_ids = chat_ids(auto, messages)
+    body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with LiveServer("--model", model_dir, "--max-model-len", "512") as server:
+        completion = httpx.post(server.url + "/v1/completions", json={"prompt": text, **body}, timeout=60).json()
+        chat = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, **body}, timeout=60).json()
+    assert completion["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert completion["choices"][0]["text"] == expected
+    assert chat["usage"]["prompt_tokens"] == len(chat_prompt_ids)

@@ -3,6 +3,9 @@
 The handler decides the HTTP status before the first byte: it waits for the request's
 first output (or for the error that ends it) and only then returns the 200 streaming
 response. Everything that can fail before that is a real status with OpenAI's error JSON.
+
+``Api.admit`` then ``Api.first_output`` is the path every request takes, HTTP or WebSocket
+(tidal/websocket.py, registered from ``create_app``).
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import hmac
 import logging
 import math
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -24,6 +26,7 @@ from tidal.lifecycle import ActiveRequest
 from tidal.protocol import (
     ApiError,
     ChunkEncoder,
+    Validated,
     bad_request,
     chat_messages,
     completion_prompt,
@@ -33,6 +36,7 @@ from tidal.protocol import (
 )
 from tidal.streaming import OutputReader, SseBody, collect
 from tidal.tokenizer import PromptTokenizer
+from tidal.websocket import register_websocket
 
 log = logging.getLogger("tidal.api")
 
@@ -49,6 +53,14 @@ def json_response(obj: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(obj), status, {"Content-Type": "application/json"})
 
 
+def auth_error(api_key: str | None, authorization: str) -> ApiError | None:
+    """The 401 for an ``Authorization`` header that does not carry ``api_key``; None if it does."""
+    if api_key is None or hmac.compare_digest(authorization.encode(), f"Bearer {api_key}".encode()):
+        return None
+    return ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                    "authentication_error", None, "invalid_api_key")
+
+
 class Api:
     """Everything a route needs, held by the app (no module globals)."""
 
@@ -60,12 +72,10 @@ class Api:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
-    async def prepare(self, kind: str, body: bytes | dict,
-                      on_open: Callable[[ActiveRequest], None] | None = None) -> tuple[ActiveRequest, Any, Any]:
-        """Parse, validate, tokenise, admit and wait for the first output. Raises ApiError.
+    async def admit(self, kind: str, body: bytes | dict) -> tuple[ActiveRequest, Validated]:
+        """Parse, validate, tokenise and admit. Raises ApiError.
 
-        ``on_open`` gets the request as soon as it is admitted, so a caller that is cancelled
-        while it waits in the queue can still close it (the WebSocket ``cancel``).
+        Once this returns, the caller holds an open request (its RequestScope closes it too).
         """
         parsed = parse_body(kind, body)  # type: ignore[arg-type]
         if parsed.model is not None and parsed.model != self.model_name:
@@ -83,24 +93,25 @@ class Api:
                     raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
                 prompt_ids = list(prompt)
         params = fit_max_tokens(checked, len(prompt_ids), self.max_model_len)
-        active = self.frontend.open_request(prompt_ids, params, checked.priority)
-        if on_open is not None:
-            on_open(active)
+        return self.frontend.open_request(prompt_ids, params, checked.priority), checked
+
+    async def first_output(self, active: ActiveRequest, checked: Validated) -> OutputReader:
+        """Wait for the request's first output (raises the ApiError that ended it before); the
+        reader of the rest, in deltas of the request's stream interval (one delta without stream)."""
         first = await self.frontend.first_output(active)
-        return active, first, checked
+        interval = (checked.stream_interval or self.frontend.config.stream_interval) if checked.stream else math.inf
+        return OutputReader(self.frontend, active, first, interval)  # type: ignore[arg-type]
 
     async def complete(self, kind: str, body: bytes | dict) -> Response:
         try:
-            active, first, checked = await self.prepare(kind, body)
+            active, checked = await self.admit(kind, body)
+            reader = await self.first_output(active, checked)
         except ApiError as error:
             return error_response(error)
         encoder = ChunkEncoder(kind, self.model_name)  # type: ignore[arg-type]
         if checked.stream:
-            interval = checked.stream_interval or self.frontend.config.stream_interval
-            reader = OutputReader(self.frontend, active, first, interval)
             body = SseBody(reader, encoder, checked.include_usage, fast_send.body_writer(request.scope))
             return Response(body, 200, _SSE_HEADERS)
-        reader = OutputReader(self.frontend, active, first, math.inf)  # type: ignore[arg-type]
         try:
             return json_response(await collect(reader, encoder))
         except ApiError as error:
@@ -111,23 +122,19 @@ class Api:
 
 def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_render, health_check,
                max_ws_requests: int = 64) -> QuartTrio:
-    from tidal.websocket import register_websocket
-
     app = QuartTrio("tidal")
     app.config["RESPONSE_TIMEOUT"] = None  # SSE streams may run for minutes
     app.config["BODY_TIMEOUT"] = 60
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
-    app.extensions["tidal"] = api
 
     @app.before_request
     async def check_auth():
-        if api_key is None or not request.path.startswith("/v1"):
+        if not request.path.startswith("/v1"):
             return None
-        header = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
+        error = auth_error(api_key, request.headers.get("Authorization", ""))
+        if error is not None:
             await discard_body()
-            return error_response(ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
-                                           "authentication_error", None, "invalid_api_key"))
+            return error_response(error)
         return None
 
     async def discard_body() -> None:
@@ -169,7 +176,8 @@ def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_rende
     async def metrics():
         return Response(metrics_render(), 200, {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
-    register_websocket(app, api, max_ws_requests, api_key)
+    register_websocket(app, api, max_ws_requests,
+                       lambda headers: auth_error(api_key, headers.get("Authorization", "")))
 
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException):

@@ -82,6 +82,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stream-stall-timeout", type=float, default=30.0,
                    help="Seconds a client may take no bytes while output waits before it is aborted as a "
                         "slow client (default 30).")
+    g.add_argument("--max-connections", type=int, default=None,
+                   help="Connections served at once (HTTP and WebSocket); more are answered 503 'Too many "
+                        "connections' and closed (default: the fd limit, raised towards 65536, minus 256).")
     g.add_argument("--max-ws-requests-per-connection", type=int, default=64,
                    help="Concurrent requests on one WebSocket connection (default 64).")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -127,6 +130,7 @@ def server_config(args: argparse.Namespace):
         stream_stall_timeout=args.stream_stall_timeout,
         max_request_body_bytes=args.max_request_body_bytes,
         body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
         max_ws_requests_per_connection=args.max_ws_requests_per_connection,
         shutdown_timeout=args.shutdown_timeout,
         engine_heartbeat_timeout=args.engine_heartbeat_timeout,

@@ -24,6 +24,7 @@ class ServerConfig:
     stream_stall_timeout: float = 30.0
     max_request_body_bytes: int = 16 << 20
     body_timeout: float = 60.0  # seconds to receive a whole request body; 408 after
+    max_connections: int | None = None  # None: derived from the fd limit (tidal/connections.py)
     max_ws_requests_per_connection: int = 64
     shutdown_timeout: float = 30.0
     engine_heartbeat_interval: float = 1.0
@@ -42,6 +43,8 @@ class ServerConfig:
             raise ValueError("--max-queued-requests must be >= 0")
         if self.max_queue_wait is not None and self.max_queue_wait <= 0:
             raise ValueError("--max-queue-wait must be positive")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError("--max-connections must be at least 1")
         if not self.body_timeout > 0:
             raise ValueError("--body-timeout must be positive")
         if self.max_stream_buffer_bytes < 1 or self.stream_stall_timeout <= 0:

@@ -184,7 +184,7 @@ def _check(condition: bool, message: str, param: str) -> None:
 
 # What one request may ask of the stop checks the engine runs after every token (docs/admission.md).
 # Matching is linear in the text whatever the stop strings' length (gpu/stop_strings.py); these keep
-# the held-back text, the final search and the stop_token_ids membership test per token small.
+# the held-back text, the final search and what each request carries to the engine small.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 256
@@ -323,9 +323,6 @@ class ChunkEncoder:
 
     def usage_json(self, usage_obj: dict[str, Any]) -> bytes:
         return self._head + b',"choices":[],"usage":' + _json_encode(usage_obj) + b"}"
-
-    def error_json(self, error: ApiError) -> bytes:
-        return error.json()
 
     def full_response(self, text: str, finish_reason: str | None, usage_obj: dict[str, Any],
                       stop_reason: str | int | None) -> dict[str, Any]:

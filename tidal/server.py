@@ -10,7 +10,7 @@ Nursery nesting is lifetime nesting::
       _handle_signals                         SIGINT/SIGTERM: drain, then stop
 
 Policy on engine failure: every request in flight is failed at once (the engine client
-closes their mailboxes), /health answers 503, and after a one-second grace for those
+tells ``Frontend.on_engine_dead``), /health answers 503, and after a one-second grace for those
 errors to reach the clients ``serve`` raises ``EngineDead``: the process exits non-zero
 so that a supervisor (systemd, Kubernetes) restarts it.
 """
@@ -25,6 +25,7 @@ from functools import partial
 import hypercorn.config
 import hypercorn.trio
 import trio
+from prometheus_client import Counter, Gauge
 
 from tidal.api import Api, create_app
 from tidal import connections, fast_send
@@ -56,6 +57,7 @@ class Server:
             start_timeout=config.engine_start_timeout,
         )
         self.frontend: Frontend | None = None
+        self.connection_limit: connections.ConnectionLimit | None = None
         self.urls: list[str] = []
         self.stopping = False
         self._shutdown = trio.Event()
@@ -65,7 +67,7 @@ class Server:
         cfg = self.config
         async with trio.open_nursery() as nursery:
             ready = await nursery.start(self._run_engine)
-            tokenizer = await PromptTokenizer.load(ready.model, cfg.tokenizer_workers)
+            tokenizer = await PromptTokenizer.load(ready.model, cfg.tokenizer_workers, ready.max_model_len)
             frontend = self.frontend = Frontend(cfg, self.engine, self.metrics, ready.max_num_seqs)
             api = Api(frontend, tokenizer, cfg.model_name, ready.max_model_len, ready.vocab_size)
             app = create_app(api, cfg.api_key, cfg.max_request_body_bytes,
@@ -85,6 +87,7 @@ class Server:
             hconfig.keep_alive_timeout = 75
             hconfig.accesslog = None
             hconfig.errorlog = logging.getLogger("hypercorn.error")
+            hconfig.tidal_connection_limit = self.connection_limit = self._connection_limit()
             self.urls = await nursery.start(partial(hypercorn.trio.serve, asgi, hconfig,
                                                     shutdown_trigger=self._shutdown.wait))
             nursery.start_soon(frontend.watch_stalls)
@@ -95,6 +98,20 @@ class Server:
             task_status.started(self.urls)
             await self._stopped.wait()
             nursery.cancel_scope.cancel()
+
+    def _connection_limit(self) -> connections.ConnectionLimit:
+        fd_limit = connections.raise_fd_limit()
+        limit = self.config.max_connections or connections.default_max_connections(fd_limit)
+        if limit > fd_limit - connections.FD_RESERVE:
+            log.warning("--max-connections %d is close to the fd limit (%d): the server may run out of "
+                        "file descriptors before it refuses connections", limit, fd_limit)
+        registry, model = self.metrics.registry, [self.metrics.model_name]
+        refused = Counter("tidal:connections_refused", "Connections refused over --max-connections.",
+                          ["model_name"], registry=registry).labels(*model)
+        connection_limit = connections.ConnectionLimit(limit, on_refused=refused.inc)
+        Gauge("tidal:connections_open", "Connections served (HTTP and WebSocket).", ["model_name"],
+              registry=registry).labels(*model).set_function(lambda: connection_limit.num_open)
+        return connection_limit
 
     async def _run_engine(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:

@@ -1,9 +1,12 @@
 """Chat templates and tokenisation, off the event loop.
 
 Long prompts run in worker threads (``trio.to_thread``) behind a CapacityLimiter of
-``--tokenizer-workers``, so rendering a 100k-token prompt delays no other request's
-frames. A cancelled caller abandons the thread (its result is dropped) but the limiter
-slot stays taken until the thread finishes, so the bound holds.
+``--tokenizer-workers``, and are encoded with ``encode_batch``, which releases the GIL while
+Rust works (``encode`` does not), so rendering a 100k-token prompt delays no other request's
+frames. At most ``MAX_WAITING_PER_WORKER`` x workers prompts wait for a thread; more get a
+503 at once. A cancelled caller abandons the thread (its result is dropped) but the limiter
+slot stays taken until the thread finishes, so the bound holds. A prompt with more characters
+than the context's tokens can hold is refused before tokenising.
 
 The tokenizer is the one ``transformers.AutoTokenizer`` builds for the model directory (see
 ``load_auto_tokenizer``), so prompts get the ids users compare against.
@@ -23,16 +26,20 @@ from typing import Any
 
 import trio
 
-from tidal.protocol import bad_request
+from tidal.protocol import ApiError, bad_request
 
 log = logging.getLogger("tidal.tokenizer")
 
 INLINE_MAX_CHARS = 2048  # ~0.1 ms of work at most on the event loop
+MAX_WAITING_PER_WORKER = 16  # prompts that may wait for a tokenizer thread, per thread
+# NFC/NFKC compose at most 4 code points into 1 (the longest canonical decomposition, e.g. U+1F87)
+NORMALIZER_MAX_MERGE = 4
+TOKENIZER_QUEUE_FULL = "The tokenizer queue is full."
 
 
 # Run in a child process: build the tokenizer exactly as AutoTokenizer does and save it as it was built.
 # transformers imports torch for AutoTokenizer (its config modules do) when torch is installed; hiding
-# torch changes nothing about tokenizers and keeps the child fast (~0.7 s instead of ~3 s of CPU).
+# torch changes nothing about tokenizers and keeps the child fast (~1.4 s instead of ~3 s of CPU).
 _SAVE_AUTO_TOKENIZER = """
 import sys
 sys.modules["torch"] = None
@@ -62,30 +69,61 @@ def load_auto_tokenizer(model_dir: str):
 
 
 class PromptTokenizer:
-    def __init__(self, model_dir: str, workers: int):
+    """Encodes prompts with the model's tokenizer, never holding up the event loop.
+
+    ``max_model_len`` (when given) refuses, before any tokenising, prompts with more characters
+    than that many tokens can hold: a 1 MB prompt for a 4k-token model costs nothing then.
+    """
+
+    def __init__(self, model_dir: str, workers: int, max_model_len: int | None = None):
         self.tokenizer = load_auto_tokenizer(model_dir)
         # encode with the Rust tokenizer itself: the same ids without transformers' Python layers
         self._fast = self.tokenizer.backend_tokenizer
         self.limiter = trio.CapacityLimiter(workers)
+        self.max_waiting = MAX_WAITING_PER_WORKER * workers
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+        self.max_model_len = max_model_len
+        self.max_prompt_chars = None if max_model_len is None else max_model_len * self._max_chars_per_token()
 
     @classmethod
-    async def load(cls, model_dir: str, workers: int) -> "PromptTokenizer":
-        return await trio.to_thread.run_sync(cls, model_dir, workers)
+    async def load(cls, model_dir: str, workers: int, max_model_len: int | None = None) -> "PromptTokenizer":
+        return await trio.to_thread.run_sync(cls, model_dir, workers, max_model_len)
+
+    def _max_chars_per_token(self) -> int:
+        """Characters of prompt text one token can stand for, at most: every token holds at most
+        as many characters as its vocabulary string (byte-level strings have one character per
+        byte), and a normalizer may first merge characters (NFC composes at most 4 into 1)."""
+        longest = max(map(len, self._fast.get_vocab(with_added_tokens=True)), default=1)
+        return longest * (NORMALIZER_MAX_MERGE if self._fast.normalizer is not None else 1)
+
+    def _check_length(self, num_chars: int, param: str) -> None:
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{num_chars} characters, more than that many tokens can hold (at most {self.max_prompt_chars} "
+                f"characters). Please reduce the length of the input.", param)
 
     async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        if sum(len(m["content"]) for m in messages) <= INLINE_MAX_CHARS:
+        num_chars = sum(len(m["content"]) for m in messages)
+        self._check_length(num_chars, "messages")  # the template only adds text
+        if num_chars <= INLINE_MAX_CHARS:
             await trio.lowlevel.checkpoint()
             return self._encode_chat(messages)
-        return await trio.to_thread.run_sync(self._encode_chat, messages, limiter=self.limiter,
-                                             abandon_on_cancel=True)
+        return await self._in_worker(self._encode_chat, messages)
 
     async def encode_text(self, text: str) -> list[int]:
+        self._check_length(len(text), "prompt")
         if len(text) <= INLINE_MAX_CHARS:
             await trio.lowlevel.checkpoint()
             return self._encode_text(text)
-        return await trio.to_thread.run_sync(self._encode_text, text, limiter=self.limiter,
-                                             abandon_on_cancel=True)
+        return await self._in_worker(self._encode_text, text)
+
+    async def _in_worker(self, fn, arg):
+        """Run ``fn(arg)`` in a worker thread: at most ``workers`` at once, at most ``max_waiting``
+        waiting for one (FIFO); past that the caller gets a 503 at once."""
+        if self.limiter.statistics().tasks_waiting >= self.max_waiting:
+            raise ApiError(503, TOKENIZER_QUEUE_FULL, "service_unavailable", headers={"Retry-After": "1"})
+        return await trio.to_thread.run_sync(fn, arg, limiter=self.limiter, abandon_on_cancel=True)
 
     def _encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         if not self.has_chat_template:
@@ -95,7 +133,14 @@ class PromptTokenizer:
         except Exception as exc:  # a template may raise on roles or orders it does not support
             raise bad_request(f"The chat template could not render these messages: {exc}", "messages") from None
         # the template writes the special tokens it wants (e.g. BOS); add none of our own
-        return self._fast.encode(text, add_special_tokens=False).ids
+        return self._encode(text, add_special_tokens=False)
 
     def _encode_text(self, text: str) -> list[int]:
-        return self._fast.encode(text, add_special_tokens=True).ids
+        return self._encode(text, add_special_tokens=True)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) <= INLINE_MAX_CHARS:
+            return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode() holds the GIL throughout (a 1 MB prompt froze the event loop for ~1 s);
+        # encode_batch releases it while the Rust code runs
+        return self._fast.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids

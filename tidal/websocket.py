@@ -3,23 +3,26 @@
 One connection is one nursery (quart-trio cancels it when the socket closes); each request
 on it is a task with its own cancel scope, so a ``cancel`` message or a closed socket ends
 exactly the requests it should, and the connection's RequestScope aborts them in the
-engine. Requests run through the same ``Api.prepare`` -> ``OutputReader`` path as SSE, so
-admission, queue timeouts and the slow-client bounds apply unchanged. Protocol:
-docs/websocket.md.
+engine. Requests run through the same ``Api.admit`` -> ``Api.first_output`` -> ``OutputReader``
+path as SSE, so admission, queue timeouts and the slow-client bounds apply unchanged. Protocol:
+docs/websocket.md. Registered by ``api.create_app``; this module imports nothing of api.py at run time.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
 from quart import websocket
 
 from tidal import ws_auth
-from tidal.api import Api
+from tidal.lifecycle import ActiveRequest
 from tidal.protocol import NESTED_TOO_DEEPLY, ApiError, ChunkEncoder, bad_request
-from tidal.streaming import OutputReader
+
+if TYPE_CHECKING:
+    from tidal.api import Api
 
 _ENDPOINTS = {"chat.completions": "chat", "completions": "completions"}
 
@@ -42,25 +45,25 @@ def _error_message(request_id: Any, error: ApiError) -> str:
     return _encode(message).decode()
 
 
-def register_websocket(app, api: Api, max_requests: int, api_key: str | None) -> None:
+def register_websocket(app, api: Api, max_requests: int, auth_error: Callable[[Any], ApiError | None]) -> None:
+    """Serve ``/v1/ws``; ``auth_error(headers)`` is the HTTP routes' API-key check."""
+
     @app.websocket("/v1/ws")
     async def ws_endpoint():
-        subprotocol = ws_auth.accepted_subprotocol(websocket.requested_subprotocols)
-        if api_key is not None:
-            offered = ws_auth.offered_key(websocket.headers, websocket.requested_subprotocols)
-            if not ws_auth.key_matches(offered, api_key):
-                await websocket.accept(subprotocol=subprotocol)
-                await websocket.send(_error_message(None, ApiError(
-                    401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
-                    "authentication_error", None, "invalid_api_key")))
-                await websocket.close(1008)
-                return
+        subprotocols = websocket.requested_subprotocols
+        subprotocol = ws_auth.accepted_subprotocol(subprotocols)
+        error = auth_error({"Authorization": ws_auth.authorization(websocket.headers, subprotocols)})
+        if error is not None:
+            await websocket.accept(subprotocol=subprotocol)
+            await websocket.send(_error_message(None, error))
+            await websocket.close(1008)
+            return
         await websocket.accept(subprotocol=subprotocol)
         await Connection(api, max_requests).serve()
 
 
 class Connection:
-    def __init__(self, api: Api, max_requests: int):
+    def __init__(self, api: "Api", max_requests: int):
         self.api = api
         self.max_requests = max_requests
         self.streams: dict[Any, trio.CancelScope] = {}
@@ -73,7 +76,7 @@ class Connection:
             while True:
                 raw = await websocket.receive()
                 try:
-                    message = _decode(raw)
+                    message = _decode(raw or b"")  # quart-trio hands an empty binary message over as None
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     await self.send(_error_message(None, bad_request(f"Invalid message: {exc}")))
                     continue
@@ -111,17 +114,15 @@ class Connection:
     async def stream(self, rid: Any, kind: str, body: dict[str, Any], scope: trio.CancelScope) -> None:
         api = self.api
         id_json = _encode(rid)
-        opened: list = []  # the request once admitted, even if "cancel" comes while it is queued
+        active: ActiveRequest | None = None  # once admitted, even if "cancel" comes while it is queued
         try:
             with scope:
-                body = {**body, "stream": True}
                 try:
-                    active, first, checked = await api.prepare(kind, body, opened.append)
+                    active, checked = await api.admit(kind, {**body, "stream": True})
+                    reader = await api.first_output(active, checked)
                 except ApiError as error:
                     await self.send(_error_message(rid, error))
                     return
-                interval = checked.stream_interval or api.frontend.config.stream_interval
-                reader = OutputReader(api.frontend, active, first, interval)
                 encoder = ChunkEncoder(kind, api.model_name)  # type: ignore[arg-type]
                 prefix = b'{"type":"chunk","id":' + id_json + b',"data":'
                 while not reader.done:
@@ -132,12 +133,12 @@ class Connection:
                     await self.send((prefix + encoder.chunk_json(text, finish) + b"}").decode())
                 await self.send(_encode({"type": "done", "id": rid, "usage": reader.usage()}).decode())
             if scope.cancelled_caught:  # the client sent "cancel"
-                if opened:
-                    api.frontend.close(opened[0], "client_cancel")
+                if active is not None:
+                    api.frontend.close(active, "client_cancel")
                 await self.send(_encode({"type": "done", "id": rid, "usage": None, "cancelled": True}).decode())
         except ApiError as error:  # the request ended early (slow client, engine failure)
             await self.send(_error_message(rid, error))
         finally:
             self.streams.pop(rid, None)
-            if opened:
-                api.frontend.close(opened[0], "client_disconnect")
+            if active is not None:
+                api.frontend.close(active, "client_disconnect")

@@ -10,29 +10,24 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hmac
 
 SUBPROTOCOL = "tidal"
 _BEARER_PREFIX = "tidal.bearer."
 
 
-def offered_key(headers, subprotocols: list[str]) -> str | None:
-    """The key the client presented, or None."""
+def authorization(headers, subprotocols: list[str]) -> str:
+    """The handshake's ``Authorization`` header, or the one its bearer subprotocol stands for."""
     header = headers.get("Authorization", "")
-    if header.startswith("Bearer "):
-        return header[len("Bearer "):]
+    if header:
+        return header
     for protocol in subprotocols:
         if protocol.startswith(_BEARER_PREFIX):
             encoded = protocol[len(_BEARER_PREFIX):]
             try:
-                return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+                return "Bearer " + base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
             except (binascii.Error, UnicodeDecodeError):
-                return None
-    return None
-
-
-def key_matches(offered: str | None, api_key: str) -> bool:
-    return offered is not None and hmac.compare_digest(offered.encode(), api_key.encode())
+                return ""
+    return ""
 
 
 def accepted_subprotocol(subprotocols: list[str]) -> str | None:

@@ -64,6 +64,17 @@ def test_detokenizer_releases_all_but_the_held_suffix_and_cuts_at_the_earliest_s
     assert released + detokenizer.flush() == output
 
 
+def test_a_long_partial_match_that_fails_falls_back_to_nothing():
+    # "aaa...ab" after many a's: a "c" must fall back through every state; the result is empty
+    stops = tuple("a" * (MAX_STOP_CHARS - 1 - i) + "b" for i in range(MAX_STOP_STRINGS))
+    matcher = StopMatcher(stops)
+    assert not matcher.feed("a" * (2 * MAX_STOP_CHARS))
+    assert matcher.held_length == MAX_STOP_CHARS - 1
+    assert not matcher.feed("c")
+    assert matcher.held_length == 0
+    assert matcher.feed("a" * (MAX_STOP_CHARS - 2) + "b")  # and it still finds the shortest stop
+
+
 def test_stop_strings_at_the_bounds_hold_the_longest_partial_match_and_stop_on_completion():
     """16 stop strings of the maximum length, all alike (the worst case for the old prefix set,
     which took seconds to build here): the output keeps matching long prefixes, so the longest

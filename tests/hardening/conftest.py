@@ -2,7 +2,7 @@
 
 ``server``: the default 16 MiB body limit (so deeply nested JSON fits under it), a 64-token
 context so that any request the fuzzer makes valid finishes in a few steps, and slow-enough
-steps (>= 20 ms) that a stream is still running while a test acts beside it, and a 2 s
+steps (>= 20 ms) that a stream is still running while a test acts beside it, and a 3 s
 `--body-timeout` so that a body that never finishes is cut quickly.
 """
 
@@ -13,7 +13,7 @@ from live_server import LiveServer
 
 MAX_MODEL_LEN = 64
 STEP_TIME = 0.02
-BODY_TIMEOUT = 2.0
+BODY_TIMEOUT = 3.0
 
 
 @pytest.fixture(scope="package")

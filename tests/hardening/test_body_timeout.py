@@ -2,7 +2,7 @@
 
 Before the fix the 408 came after twice the configured time: the error handler tried to read
 the (still unfinished) body once more before answering, and waited a second full timeout.
-The server here runs with ``--body-timeout 2``.
+The server here runs with ``--body-timeout 3``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_an_unfinished_body_gets_a_408_after_the_body_timeout(server):
     error = json.loads(body)["error"]
     assert error == {"message": f"Request body not received within {BODY_TIMEOUT:g} s.",
                      "type": "invalid_request_error", "param": None, "code": 408}, error
-    assert BODY_TIMEOUT <= elapsed < 1.5 * BODY_TIMEOUT, elapsed  # the configured time, not twice it
+    assert BODY_TIMEOUT <= elapsed < 1.8 * BODY_TIMEOUT, elapsed  # the configured time, not twice it
     server.wait_idle()
 
 

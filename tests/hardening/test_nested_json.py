@@ -31,7 +31,7 @@ NESTED = "Request body is not valid JSON: it is nested too deeply"
 DEEP_BODIES = {
     "1000-objects-in-unknown-field": ("/v1/chat/completions", chat_with(nested_objects(1000)), NESTED),
     "100k-arrays-in-unknown-field": ("/v1/chat/completions", chat_with(b"[" * 100_000 + b"]" * 100_000), NESTED),
-    "2M-arrays-as-the-body": ("/v1/chat/completions", b"[" * 2_000_000, None),  # 2 MB, under the 16 MiB limit
+    "16MiB-of-arrays-at-the-body-limit": ("/v1/chat/completions", b"[" * (16 << 20), None),
     "deep-in-messages": ("/v1/chat/completions", b'{"messages":' + b"[" * 5000 + b"]" * 5000 + b"}", None),
     "deep-prompt": ("/v1/completions", b'{"prompt":' + b"[" * 5000 + b"]" * 5000 + b"}", None),
 }

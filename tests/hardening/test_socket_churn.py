@@ -64,3 +64,28 @@ def test_closed_keep_alive_connections_are_released_promptly(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10):
         pass
     server.wait_idle()
+
+
+async def test_closed_websocket_connections_are_released_promptly(server):
+    import trio
+
+    from .clients import open_raw_ws
+
+    pid = server.process.pid
+    await trio.to_thread.run_sync(server.wait_idle)
+    _, fds_before = held_sockets(pid, server.port)
+    for i in range(200):
+        async with open_raw_ws(server) as ws:
+            if i % 2:  # half of them close with a request finished, half mid-stream
+                await ws.send({"type": "request", "id": i, "endpoint": "completions",
+                               "body": {"prompt": "Hi", "max_tokens": 1}})
+                assert (await ws.until_final(i))[-1]["type"] == "done"
+            else:
+                await ws.send({"type": "request", "id": i, "endpoint": "completions",
+                               "body": {"prompt": "Hi", "max_tokens": 30, "ignore_eos": True}})
+                assert (await ws.receive())["type"] == "chunk"
+    deadline = trio.current_time() + 5.0
+    while (held := held_sockets(pid, server.port)) != (0, fds_before) and trio.current_time() < deadline:
+        await trio.sleep(0.1)
+    assert held[0] == 0 and held[1] <= fds_before + 5, (held, fds_before)
+    await trio.to_thread.run_sync(server.wait_idle)
