@@ -31,7 +31,7 @@ SERVER_FLAGS = {
 
 @pytest.fixture(scope="package")
 def _servers(request):
-    """Every server the collected tests of this package need, started side by side."""
+    """Every server the collected tests of this package name, started side by side."""
     wanted = {name for item in request.session.items for name in item.fixturenames if name in SERVER_FLAGS}
     servers = {name: LiveServer(*SERVER_FLAGS[name]) for name in sorted(wanted)}
     start_all(list(servers.values()))
@@ -39,11 +39,18 @@ def _servers(request):
     stop_all(list(servers.values()))
 
 
+def _server(servers: dict[str, LiveServer], name: str) -> LiveServer:
+    if name not in servers:  # asked for by getfixturevalue, so not known at collection
+        servers[name] = LiveServer(*SERVER_FLAGS[name])
+        servers[name].start()
+    return servers[name]
+
+
 @pytest.fixture(scope="package")
 def api_server(_servers):
-    return _servers["api_server"]
+    return _server(_servers, "api_server")
 
 
 @pytest.fixture(scope="package")
 def ws_server(_servers):
-    return _servers["ws_server"]
+    return _server(_servers, "ws_server")
