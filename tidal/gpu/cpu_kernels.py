@@ -13,6 +13,7 @@ build, after one logged warning: callers then use their plain-torch path.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -60,8 +61,11 @@ def _load() -> DecodeKernel | None:
         from torch.utils import cpp_extension
 
         isa, flags = _compile_flags()
-        # the ISA is in the name so machines sharing a cache directory never load each other's build
-        name = f"tidal_paged_decode_{isa}"
+        # the ISA is in the name so machines sharing a cache directory never load each other's build,
+        # and the checkout's path so that two checkouts (whose build files name different source
+        # paths) do not rebuild over each other in torch's shared extension cache
+        checkout = hashlib.sha1(str(_SOURCE).encode()).hexdigest()[:8]
+        name = f"tidal_paged_decode_{isa}_{checkout}"
         building = not _is_built(cpp_extension, name)
         if building:  # at WARNING: the engine's default level, and the start is silent for this long
             log.warning("building the CPU decode attention kernel (first start only, ~15-25 s; "
