@@ -156,6 +156,7 @@ class Frontend:
         now = trio.current_time()
         order = next(self._ids)
         victim = self._admit(priority, (priority, now, order))
+        engine = engine.pick(prompt_token_ids)  # the replica that will serve it soonest (tidal/router.py)
         request = ActiveRequest(
             request_id=order,
             priority=priority,

@@ -61,6 +61,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     seed: int = 0
     num_threads: int | None = None
+    # which data-parallel replica this engine is (0..N-1): on CUDA it picks the replica's device
+    data_parallel_rank: int = 0
     # Test model knob: every forward pass lasts at least this long (seconds). Lets the
     # cancellation tests put an abort "mid-forward" deterministically.
     min_step_time: float = 0.0

@@ -1,12 +1,16 @@
 """The engine: requests in, one step at a time, outputs out. No I/O here.
 
-``step()`` tells the whole story of one iteration::
+One step is::
 
     batch  = scheduler.schedule()              # who runs, how many tokens each
     tokens = forward(batch)                    # one pass over the paged cache, one token per sampler
     apply_late_aborts()                        # the abort window: aborts that arrived mid-forward
     scheduler.commit(batch, tokens)            # append, check stops, free what finished
     emit(...)                                  # detokenize, one RequestOutput per new token
+
+The forward pass runs on its own thread, and ``step()`` launches the next step's forward
+right after the commit, before emitting: building and sending one step's outputs overlaps
+the next step's pass, and only abort window + commit + schedule run between two passes.
 
 Outputs, first-schedule events and finished ids collect in a pending report that the
 process loop sends after each step (``take_report``).
@@ -18,13 +22,16 @@ import collections
 import itertools
 import logging
 import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer
 
 from tidal.gpu.block_manager import BlockManager
 from tidal.gpu.detokenizer import IncrementalDetokenizer
 from tidal.gpu.model_runner import ModelRunner
-from tidal.gpu.sampler import Sampler, make_generator
+from tidal.gpu.sampler import Sampler, SamplingBatch, make_generator
 from tidal.gpu.scheduler import ScheduledBatch, Scheduler
 from tidal.gpu.sequence import Sequence
 from tidal.wire import AddRequest, FinishReason, EngineConfig, EngineStats, Ready, RequestOutput, StepReport
@@ -58,6 +65,13 @@ class Engine:
         # ids whose abort arrived while a forward pass ran: the pipe reader thread appends
         # them (deque appends are thread-safe) and the step applies them in its abort window
         self.late_aborts: collections.deque[list[int]] = collections.deque()
+        # the forward pass runs on its own thread (torch ops release the GIL, and so does the
+        # test model's sleep), overlapping the step loop's own work; at most one is in flight
+        self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="tidal-forward")
+        self._in_flight: InFlight | None = None
+        self.min_step_time = config.min_step_time
+        self._sampling_rows: list[int] = []  # the forward thread's persistent sampling batch
+        self._sampling = SamplingBatch([], [], [], [])
 
     def ready_message(self) -> Ready:
         mc = self.runner.model_config
@@ -103,42 +117,82 @@ class Engine:
         self._dirty = True
 
     def abort(self, request_ids: list[int]) -> None:
-        """Free the requests' KV blocks now. Unknown or finished ids are a no-op."""
+        """Free the requests' KV blocks now. Unknown or finished ids are a no-op.
+
+        A forward pass in flight may still write the blocks: wait for it to end first (its
+        tokens for the aborted requests are then dropped by the commit).
+        """
+        if self._in_flight is not None:
+            self._in_flight.tokens.result()
         for request_id in request_ids:
             seq = self.sequences.get(request_id)
             if seq is not None:
                 self._finish(seq, "abort", emit_output=False)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._in_flight is not None or self.scheduler.has_work()
 
     # ------------------------------------------------------------------ the step
 
-    @torch.inference_mode()
     def step(self) -> bool:
-        """Run one iteration. False if nothing could be scheduled (waiting for blocks)."""
-        batch = self.scheduler.schedule()
-        self._started.extend(seq.request_id for seq in batch.started)
-        if not batch:
-            return False
-        self.num_steps += 1
-        tokens = self._forward(batch)
+        """Book the forward pass in flight and start the next one. False if none could start.
+
+        One step is schedule -> forward -> abort window -> commit; the next step's schedule
+        and launch come right after the commit, so its forward pass runs while this step's
+        outputs are detokenized and reported (and while the process loop sends them).
+        """
+        if self._in_flight is None:
+            self._in_flight = self._launch()
+            if self._in_flight is None:
+                return False  # nothing fits right now (waiting for blocks)
+        batch, tokens = self._in_flight.batch, self._in_flight.tokens.result()
         self._apply_late_aborts()  # the abort window: the pass is over, its outputs not yet booked
-        for seq in self.scheduler.commit(batch, tokens):
+        appended = self.scheduler.commit(batch, tokens)
+        self.num_steps += 1
+        self._in_flight = self._launch()  # the next step's forward starts now ...
+        for seq in appended:  # ... and runs while this one's outputs are built
             self._emit(seq)
         self._dirty = True
         return True
 
-    def _forward(self, batch: ScheduledBatch) -> list[int]:
-        """One forward pass and one sampled token per ``batch.sampling`` sequence."""
-        logits, sampling = self.runner.execute(batch.entries)
-        return self.sampler.sample(
-            logits,
-            [seq.params for seq in sampling],
-            [seq.output_token_ids for seq in sampling],
-            [seq.prompt_token_ids for seq in sampling],
-            [seq.generator for seq in sampling],
-        )
+    def _launch(self) -> InFlight | None:
+        """Schedule a batch and start its forward pass on the forward thread."""
+        batch = self.scheduler.schedule()
+        self._started.extend(seq.request_id for seq in batch.started)
+        if batch.started:
+            self._dirty = True
+        if not batch:
+            return None
+        return InFlight(batch, self._forward_thread.submit(self._forward, batch, time.monotonic()))
+
+    @torch.inference_mode()
+    def _forward(self, batch: ScheduledBatch, launched_at: float) -> list[int]:
+        """The device's share of a step: one forward pass, one sampled token per ``batch.sampling``.
+
+        Runs on the forward thread; reads the batch's sequences, changes nothing the step
+        loop reads. With ``min_step_time`` (the test model) it lasts at least that long from
+        its launch.
+        """
+        logits = self.runner.execute(batch.entries)
+        tokens = self.sampler.sample_batch(logits, self._sampling_batch(batch.sampling))
+        if self.min_step_time:
+            remaining = self.min_step_time - (time.monotonic() - launched_at)
+            if remaining > 0:
+                time.sleep(remaining)
+        return tokens
+
+    def _sampling_batch(self, sampling: list[Sequence]) -> SamplingBatch:
+        """The sampler's per-row inputs, rebuilt only when the sampling sequences change."""
+        rows = [seq.request_id for seq in sampling]
+        if rows != self._sampling_rows:
+            self._sampling_rows = rows
+            self._sampling = SamplingBatch(
+                [seq.params for seq in sampling],
+                [seq.output_token_ids for seq in sampling],
+                [seq.prompt_token_ids for seq in sampling],
+                [seq.generator for seq in sampling],
+            )
+        return self._sampling
 
     def _apply_late_aborts(self) -> None:
         """Abort the requests whose abort arrived while the forward pass ran.
@@ -202,3 +256,12 @@ class Engine:
 
     def abort_all(self) -> None:
         self.abort(list(self.sequences))
+        self._in_flight = None  # its sequences are all gone
+
+
+@dataclass
+class InFlight:
+    """A scheduled batch whose forward pass runs on the forward thread."""
+
+    batch: ScheduledBatch
+    tokens: Future[list[int]]
