@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import math
 import sys
@@ -54,7 +55,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: Triton kernels on CUDA, torch on CPU. Force either.")
     g.add_argument("--engine-threads", type=int, default=None, help="torch threads in the engine (default: "
                    "torch's default, one per core).")
-    g.add_argument("--seed", type=int, default=0, help="Engine RNG seed for unseeded sampling.")
+    g.add_argument("--seed", type=int, default=0, help="Engine RNG seed for requests without a 'seed' (default 0).")
     g.add_argument("--data-parallel-size", "--dp-size", type=int, default=1,
                    help="Engine replicas, each its own process with the whole model (on CUDA: replica k on "
                         "GPU k). Requests are routed to the least loaded, preferring the one that caches "
@@ -77,7 +78,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="413 above this (default 16 MiB).")
     g.add_argument("--body-timeout", type=float, default=60.0,
                    help="Seconds a client may take to send a whole request body; 408 after (default 60).")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="Log level of the server (default info); the engine process logs at TIDAL_ENGINE_LOG_LEVEL "
+                        "(default WARNING).")
+    g.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="Do not serve the chat page at / (docs/ui.md). The API is unaffected.")
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="The model's tool-call format, parsed into message.tool_calls under tool_choice 'auto' "
                         "(hermes: Qwen2/Qwen3 <tool_call>; llama3_json; mistral [TOOL_CALLS]). "
@@ -152,6 +157,7 @@ def server_config(args: argparse.Namespace):
         engine_restarts=args.engine_restarts,
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
+        ui=args.ui,
     )
 
 
@@ -179,6 +185,18 @@ def _resolve_hub_model(args: argparse.Namespace) -> None:
         args.model = path
 
 
+def _unknown_arguments(p: argparse.ArgumentParser, unknown: list[str]) -> None:
+    flags = [flag for action in p._actions for flag in action.option_strings]
+    hints = []
+    for arg in unknown:
+        name = arg.split("=", 1)[0]
+        if name.startswith("-"):
+            close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{name}: did you mean {close[0]}?")
+    p.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"\n  {hint}" for hint in hints))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tidal", description="An OpenAI-compatible LLM server on Trio.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -189,14 +207,22 @@ def main(argv: list[str] | None = None) -> int:
     from tidal import bench
 
     bench.add_arguments(bench_p)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage and the nearest flag, not the top-level usage
+        _unknown_arguments(serve_p if args.command == "serve" else bench_p, unknown)
     if args.command == "bench":
         return bench.main(args)
 
     _check_engine_args(serve_p, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tidal.hub import ModelNotAvailable
+    from tidal.server import check_port_free
 
+    try:  # before a Hub download or an engine start, either of which can take minutes
+        check_port_free(args.host, args.port)
+    except OSError as exc:
+        logging.getLogger("tidal.server").error("exiting: cannot serve on %s:%d: %s", args.host, args.port, exc)
+        return 2
     try:
         _resolve_hub_model(args)
     except ModelNotAvailable as exc:  # the same exit code as a bad local model directory

@@ -167,6 +167,18 @@ NESTED_TOO_DEEPLY = "Request body is not valid JSON: it is nested too deeply"
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
+_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+
+
+def _error_param(text: str) -> str | None:
+    """The offending field's path from msgspec's message; a missing field's path includes its name."""
+    path = text.rsplit("at `$", 1)[-1].rstrip("`").lstrip(".") if "at `$" in text else ""
+    missing = _MISSING_FIELD.search(text)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path or None
+
+
 def parse_body(kind: Literal["chat", "completions"], body: bytes | dict) -> ChatCompletionRequest | CompletionRequest:
     """Decode and type-check a request body (400 with the offending field otherwise)."""
     try:
@@ -175,8 +187,7 @@ def parse_body(kind: Literal["chat", "completions"], body: bytes | dict) -> Chat
         return _decoders[kind].decode(body)
     except msgspec.ValidationError as exc:
         text = str(exc)
-        param = text.rsplit("at `$.", 1)[-1].rstrip("`") if "at `$." in text else None
-        raise bad_request(f"Invalid request: {text}", param) from None
+        raise bad_request(f"Invalid request: {text}", _error_param(text)) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}") from None
     except RecursionError:  # msgspec's depth guard: no field of ours nests that deep

@@ -7,6 +7,7 @@ Nursery nesting is lifetime nesting::
         EngineClient.run                      engine process + writer/demux/heartbeat tasks
       hypercorn.trio.serve                    one task per connection; quart-trio one per request
       Frontend.watch_stalls                   slow-client watchdog
+      ServerState.sample                      abort counts for /state's last-minute window
       _handle_signals                         SIGINT/SIGTERM: drain, then stop
 
 Policy on engine failure: every request in flight on the failed engine is failed at once
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 from functools import partial
 
 import hypercorn.config
@@ -36,7 +38,9 @@ from tidal.frontend import Frontend, request_scope_middleware
 from tidal.metrics import Metrics
 from tidal.replicas import ReplicaSet, replica_config
 from tidal.router import Router
+from tidal.server_state import ServerState
 from tidal.tokenizer import PromptTokenizer
+from tidal.ui import register_state, register_ui
 
 log = logging.getLogger("tidal.server")
 
@@ -86,6 +90,10 @@ class Server:
                                                          self.engine.snapshot()),
                              self._health_check, cfg.max_ws_requests_per_connection)
             app.config["BODY_TIMEOUT"] = cfg.body_timeout
+            state = ServerState(self.metrics, lambda: self.engine.stats, lambda: len(frontend.active))
+            register_state(app, state)
+            if cfg.ui:
+                register_ui(app)
             asgi = request_scope_middleware(app, lambda: frontend)
             fast_send.install()
             connections.install()
@@ -99,8 +107,11 @@ class Server:
             self.urls = await nursery.start(partial(hypercorn.trio.serve, asgi, hconfig,
                                                     shutdown_trigger=self._shutdown.wait))
             nursery.start_soon(frontend.watch_stalls)
+            nursery.start_soon(state.sample)
             pids = ", ".join(str(r.ready.pid) for r in self.engine.replicas if r.ready is not None)
             log.info("tidal ready: serving %s at %s (engine pid %s)", cfg.model_name, self.urls[0], pids)
+            if cfg.ui:
+                log.info("chat page: %s/ (--no-ui turns it off)", self.urls[0])
             task_status.started(self.urls)
             await self._stopped.wait()
             nursery.cancel_scope.cancel()
@@ -156,6 +167,7 @@ async def serve(config: ServerConfig) -> int:
     server = Server(config)
     exit_code = 0
     try:
+        check_port_free(config.host, config.port)  # before the engine loads: that can take minutes
         async with trio.open_nursery() as nursery:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async def on_signals():
@@ -174,13 +186,24 @@ async def serve(config: ServerConfig) -> int:
                 nursery.start_soon(on_signals)
                 await server.run()
                 nursery.cancel_scope.cancel()
-    except* EngineDead as group:
-        log.error("exiting: %s", _innermost(group))
+    except* EngineDead:  # the engine client logged why, once, when it declared the engine dead
+        log.info("exiting with code 3 (engine failure)")
         exit_code = 3
     except* OSError as group:  # e.g. the port is taken
         log.error("exiting: cannot serve on %s:%d: %s", config.host, config.port, _innermost(group))
         exit_code = 2
     return exit_code
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError (e.g. "Address already in use") if hypercorn could not bind host:port."""
+    if port == 0:
+        return
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as hypercorn binds
+        probe.bind(address)
 
 
 def _innermost(error: BaseException) -> BaseException:
