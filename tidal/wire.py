@@ -151,7 +151,6 @@ class RequestOutput(msgspec.Struct, array_like=True):
     finish_reason: FinishReason | None = None
     # the stop string or stop token id that ended the request, if any
     stop_reason: str | int | None = None
-    num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: Logprobs | None = None  # only for requests that asked, one entry per token id
     # set on the only output of a request the engine refused before scheduling it (e.g. a

@@ -252,7 +252,6 @@ class Engine:
             text=seq.take_text(),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=logprobs,
         ))
@@ -268,7 +267,7 @@ class Engine:
         if emit_output:
             self._outputs.append(RequestOutput(
                 request_id=seq.request_id, token_ids=[], text="", finish_reason=reason,
-                num_prompt_tokens=seq.num_prompt_tokens, error=error))
+                error=error))
         self._forget(seq)
 
     def _unpark(self, seq: Sequence) -> bool:
