@@ -18,7 +18,6 @@ loop: that takes tens of microseconds, less than handing the work to a thread an
 
 from __future__ import annotations
 
-import functools
 import logging
 import subprocess
 import sys
@@ -110,7 +109,7 @@ class PromptTokenizer:
         if num_chars <= INLINE_MAX_CHARS and not tools:  # tool schemas can make a long prompt: a worker
             await trio.lowlevel.checkpoint()
             return self._encode_chat(messages)
-        return await self._in_worker(functools.partial(self._encode_chat, tools=tools), messages)
+        return await self._in_worker(self._encode_chat, messages, tools)
 
     async def encode_text(self, text: str) -> list[int]:
         self._check_length(len(text), "prompt")
@@ -119,12 +118,12 @@ class PromptTokenizer:
             return self._encode_text(text)
         return await self._in_worker(self._encode_text, text)
 
-    async def _in_worker(self, fn, arg):
-        """Run ``fn(arg)`` in a worker thread: at most ``workers`` at once, at most ``max_waiting``
+    async def _in_worker(self, fn, *args):
+        """Run ``fn(*args)`` in a worker thread: at most ``workers`` at once, at most ``max_waiting``
         waiting for one (FIFO); past that the caller gets a 503 at once."""
         if self.limiter.statistics().tasks_waiting >= self.max_waiting:
             raise ApiError(503, TOKENIZER_QUEUE_FULL, "service_unavailable", headers={"Retry-After": "1"})
-        return await trio.to_thread.run_sync(fn, arg, limiter=self.limiter, abandon_on_cancel=True)
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter, abandon_on_cancel=True)
 
     def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not self.has_chat_template:
