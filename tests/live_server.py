@@ -137,3 +137,34 @@ class LiveServer:
             and m["tidal:frontend_requests_active"] == 0,
             timeout,
         )
+
+
+def start_all(servers: list[LiveServer]) -> None:
+    """Start servers side by side: most of a start is waiting on another process's imports."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def start(server: LiveServer) -> None:
+        try:
+            server.start()
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(server,)) for server in servers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        stop_all(servers)
+        raise errors[0]
+
+
+def stop_all(servers: list[LiveServer]) -> None:
+    """Stop servers side by side: each takes a moment to drain and reap its engine."""
+    for server in servers:
+        if server.process is not None and server.process.poll() is None:
+            server.process.send_signal(signal.SIGTERM)
+    for server in servers:
+        server.stop()

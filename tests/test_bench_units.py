@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import threading
 from contextlib import asynccontextmanager
 from functools import partial
@@ -504,7 +505,7 @@ def test_cli_prints_report_and_writes_json_and_plot(tmp_path, capsys):
         parser = argparse.ArgumentParser()
         bench.add_arguments(parser)
         args = parser.parse_args([
-            "--base-url", state["url"], "--num-prompts", "6", "--concurrency", "3", "--request-rate", "200",
+            "--base-url", state["url"] + "/v1/", "--num-prompts", "6", "--concurrency", "3", "--request-rate", "200",
             "--input-len", "8", "--output-len", "4", "--ignore-eos", "--seed", "7", "--no-progress",
             "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "out.png"),
         ])
@@ -512,8 +513,11 @@ def test_cli_prints_report_and_writes_json_and_plot(tmp_path, capsys):
     finally:
         trio.from_thread.run_sync(state["scope"].cancel, trio_token=state["token"])
         thread.join(30)
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "TTFT" in out and "stub-model" in out
+    # a model it has no tokenizer for: it says prompts are counted in words
+    assert "no tokenizer found for model 'stub-model': --input-len counts words" in captured.err
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["model"] == "stub-model"  # found via GET /v1/models
     assert report["completed"] == 6 and report["total_output_tokens"] == 24
@@ -531,5 +535,42 @@ def test_cli_without_a_server_fails_cleanly(capsys):
     bench.add_arguments(parser)
     args = parser.parse_args(["--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--no-progress"])
     assert bench.main(args) == 1
-    assert "cannot list models" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot list models" in err and "ConnectError" in err
+    assert "\\n" not in err and err.count("\n") == 1  # one line, no escaped newlines
 
+
+
+def test_base_url_with_or_without_v1():
+    for url in ("http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/"):
+        assert bench.normalize_base_url(url) == "http://h:1"
+
+
+def test_tokenizer_of_a_built_in_model_a_folder_or_a_file(tmp_path):
+    built_in = bench.resolve_tokenizer("tidal-tiny")
+    assert built_in is not None and built_in.is_file() and bench.resolve_tokenizer("tidal-test") == built_in
+    (tmp_path / "tokenizer.json").write_text(built_in.read_text())
+    assert bench.resolve_tokenizer(str(tmp_path)) == tmp_path / "tokenizer.json"
+    assert bench.resolve_tokenizer(str(tmp_path / "tokenizer.json")) == tmp_path / "tokenizer.json"
+    assert bench.resolve_tokenizer("meta-llama/Llama-3-8B") is None
+    prompts = bench.make_prompts(3, input_len=16, seed=0, tokenizer_dir=str(built_in))
+    assert [p.tokens for p in prompts] == [16, 16, 16]
+
+
+def run_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return bench.main(parser.parse_args(["--num-prompts", "1", "--no-progress", *argv]))
+
+
+def test_plot_without_matplotlib_fails_before_the_run(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert run_cli("--base-url", "http://127.0.0.1:9", "--plot", "out.png") == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib: pip install 'tidal[bench]'" in err
+    assert "cannot list models" not in err  # nothing was sent
+
+
+def test_a_tokenizer_that_does_not_exist_is_named(capsys):
+    assert run_cli("--base-url", "http://127.0.0.1:9", "--tokenizer", "/no/such/dir") == 2
+    assert "--tokenizer /no/such/dir: no such file" in capsys.readouterr().err

@@ -20,8 +20,20 @@ def test_help_explains_every_flag():
                  "--max-num-batched-tokens", "--block-size", "--kv-cache-memory", "--stream-interval",
                  "--api-key", "--tokenizer-workers", "--device", "--dtype", "--max-queued-requests",
                  "--scheduling-policy", "--max-queue-wait", "--max-stream-buffer-bytes", "--stream-stall-timeout",
-                 "--shutdown-timeout", "--attention-backend"):
+                 "--shutdown-timeout", "--attention-backend", "--revision", "--download-dir", "--data-parallel-size",
+                 "--engine-restarts"):
         assert flag in out, flag
+    text = " ".join(out.split())  # argparse wraps the help lines
+    assert "requests without a 'seed' (default 0)" in text
+    assert "Log level of the server (default info)" in text
+
+
+def test_a_misspelt_flag_gets_serves_usage_and_the_nearest_flag():
+    result = run_serve("--prot", "8011")
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: tidal serve ")
+    assert "tidal serve: error: unrecognized arguments: --prot 8011" in result.stderr
+    assert "--prot: did you mean --port?" in result.stderr
 
 
 def test_unsupported_architecture_fails_at_start_with_a_clear_message(tmp_path):
@@ -37,6 +49,7 @@ def test_unsupported_architecture_fails_at_start_with_a_clear_message(tmp_path):
 def test_missing_model_directory_and_bad_flags():
     result = run_serve("--model", "/no/such/model", "--port", "0")
     assert result.returncode == 3 and "no model directory" in result.stderr
+    assert result.stderr.count("no model directory") == 1, result.stderr  # logged once
     assert "Traceback" not in result.stderr
     bad = run_serve("--max-num-seqs", "0")
     assert bad.returncode == 2 and "--max-num-seqs must be at least 1" in bad.stderr
@@ -47,3 +60,4 @@ def test_port_in_use_is_a_clear_error():
         result = run_serve("--model", "tidal-test", "--port", str(server.port))
         assert result.returncode == 2
         assert "Address already in use" in result.stderr and "Traceback" not in result.stderr
+        assert "engine ready" not in result.stderr  # refused before the model was loaded

@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,31 @@ def make_prompts(count: int, input_len: int, seed: int, tokenizer_dir: str | Non
         text = " ".join(words)
         prompts.append(Prompt(text) if tokenizer is None else _cut_to_tokens(tokenizer, text, input_len))
     return prompts
+
+
+_BUILT_IN_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tidal-tiny" / "tokenizer.json"
+_BUILT_IN_MODELS = ("tidal-tiny", "tidal-test")  # tidal's embedded models share one tokenizer
+
+
+def resolve_tokenizer(name: str) -> Path | None:
+    """The tokenizer.json of a model: tidal's built-in ones by name, or a local folder or file."""
+    if name in _BUILT_IN_MODELS:
+        return _BUILT_IN_TOKENIZER
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return path / "tokenizer.json"
+    return path if path.is_file() else None
+
+
+def normalize_base_url(url: str) -> str:
+    """The server root: ``http://host:port``, ``.../`` and ``.../v1`` (the SDK's form) all work."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception on one line (httpx's messages have newlines in them)."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 def _load_tokenizer(tokenizer_dir: str) -> Any:
@@ -503,7 +528,8 @@ def _positive_float(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``tidal bench`` flags."""
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="server root, with or without /v1 (default: %(default)s)")
     parser.add_argument("--endpoint", choices=ENDPOINTS, default="chat",
                         help="chat: /v1/chat/completions, completions: /v1/completions, ws: chat over tidal's /v1/ws")
     parser.add_argument("--model", default=None, help="model name (default: the first one GET /v1/models lists)")
@@ -514,21 +540,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", type=_positive_float, default=math.inf,
                         help="mean requests per second, Poisson arrivals; inf sends all at once (default)")
     parser.add_argument("--input-len", type=_positive_int, default=256,
-                        help="prompt length: words, or exact tokens with --tokenizer (default: 256)")
+                        help="prompt length in tokens of the model's tokenizer (words if none is found; "
+                             "default: 256)")
     parser.add_argument("--output-len", type=_positive_int, default=128, help="max_tokens per request (default: 128)")
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
-                        help="folder with tokenizer.json, to make prompts of exactly --input-len tokens")
+                        help="tokenizer for exact --input-len prompts: a folder with tokenizer.json, the file, or "
+                             "tidal-tiny (default: the served model's, when it is a built-in model or a local "
+                             "folder)")
     parser.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals (default: 0)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write aggregates and per-request records")
-    parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw TTFT and ITL histograms")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="draw TTFT and ITL histograms (needs matplotlib: pip install 'tidal[bench]')")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``tidal bench``. Exit status 0 when at least one request completed, else 1."""
+    """Run ``tidal bench``. Exit status 0 when at least one request completed, 1 if none, 2 on bad flags."""
+    if args.plot:  # fail now, not after the whole run
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("tidal bench: --plot needs matplotlib: pip install 'tidal[bench]'", file=sys.stderr)
+            return 2
+    tokenizer = None
+    if args.tokenizer is not None:
+        tokenizer = resolve_tokenizer(args.tokenizer)
+        if tokenizer is None:
+            print(f"tidal bench: --tokenizer {args.tokenizer}: no such file, and no folder holding tokenizer.json "
+                  "(give a folder with tokenizer.json, the file itself, or tidal-tiny)", file=sys.stderr)
+            return 2
     config = BenchConfig(
-        base_url=args.base_url.rstrip("/"),
+        base_url=normalize_base_url(args.base_url),
         endpoint=args.endpoint,
         model=args.model,
         num_prompts=args.num_prompts,
@@ -539,13 +582,12 @@ def main(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         api_key=args.api_key,
         seed=args.seed,
-        tokenizer=args.tokenizer,
+        tokenizer=str(tokenizer) if tokenizer else None,
     )
-    prompts = make_prompts(config.num_prompts, config.input_len, config.seed, config.tokenizer)
-    return trio.run(_main, config, prompts, args)
+    return trio.run(_main, config, args)
 
 
-async def _main(config: BenchConfig, prompts: list[Prompt], args: argparse.Namespace) -> int:
+async def _main(config: BenchConfig, args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     model = config.model
@@ -553,15 +595,24 @@ async def _main(config: BenchConfig, prompts: list[Prompt], args: argparse.Names
         try:
             model = await fetch_model(config)
         except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
-            print(f"tidal bench: cannot list models at {config.base_url}/v1/models: {exc!r}", file=sys.stderr)
+            print(f"tidal bench: cannot list models at {config.base_url}/v1/models: {_describe(exc)}",
+                  file=sys.stderr)
             return 1
+    if config.tokenizer is None:
+        found = resolve_tokenizer(model)
+        if found is not None:
+            config = replace(config, tokenizer=str(found))
+        else:
+            print(f"tidal bench: no tokenizer found for model {model!r}: --input-len counts words "
+                  "(pass --tokenizer DIR for exact token counts)", file=sys.stderr)
+    prompts = make_prompts(config.num_prompts, config.input_len, config.seed, config.tokenizer)
     with tqdm(total=len(prompts), file=sys.stderr, disable=args.no_progress, unit="req") as progress:
         try:
             records, duration = await run_benchmark(config, prompts, model, on_done=lambda _: progress.update(1))
         except (OSError, trio_websocket.HandshakeError) as exc:
             # Per-request failures are recorded; only failing to open the WebSocket lands here.
             reason = exc.__cause__ or exc.__context__ or exc  # HandshakeError hides the OSError
-            print(f"tidal bench: cannot connect to {_ws_url(config.base_url)}: {reason!r}", file=sys.stderr)
+            print(f"tidal bench: cannot connect to {_ws_url(config.base_url)}: {_describe(reason)}", file=sys.stderr)
             return 1
     report = build_report(config, model, records, duration)
     print(format_report(report))

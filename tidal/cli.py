@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import math
 import sys
@@ -20,10 +21,17 @@ def _queue_bound(text: str) -> float:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default="tidal-tiny",
-                   help="A local Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or "
-                        "'tidal-tiny', the embedded 7M-parameter Llama with deterministic weights (default).")
+                   help="A Hugging Face Hub id (ORG/NAME; downloaded once into the Hub cache), a local Hugging "
+                        "Face model directory (config.json, *.safetensors, tokenizer.json), or 'tidal-tiny', the "
+                        "embedded 7M-parameter Llama with deterministic weights (default).")
+    g.add_argument("--revision", default=None,
+                   help="Hub ids only: the branch, tag or commit to serve (default: main).")
+    g.add_argument("--download-dir", default=None,
+                   help="Hub ids only: the cache directory to download into and look in (default: the Hugging "
+                        "Face cache, $HF_HOME/hub).")
     g.add_argument("--served-model-name", default=None,
-                   help="The model name clients send and /v1/models lists (default: the --model value).")
+                   help="The model name clients send and /v1/models lists (default: the --model value, the "
+                        "Hub id for a Hub model).")
     g.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu or cuda[:N].")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="Weights and activations dtype. auto: bfloat16 on CUDA and on CPUs with native bf16 "
@@ -48,7 +56,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: Triton kernels on CUDA, torch on CPU. Force either.")
     g.add_argument("--engine-threads", type=int, default=None, help="torch threads in the engine (default: "
                    "torch's default, one per core).")
-    g.add_argument("--seed", type=int, default=0, help="Engine RNG seed for unseeded sampling.")
+    g.add_argument("--seed", type=int, default=0, help="Engine RNG seed for requests without a 'seed' (default 0).")
+    g.add_argument("--data-parallel-size", "--dp-size", type=int, default=1,
+                   help="Engine replicas, each its own process with the whole model (on CUDA: replica k on "
+                        "GPU k). Requests are routed to the least loaded, preferring the one that caches "
+                        "their prompt prefix (docs/scaling.md). Default 1.")
+    g.add_argument("--engine-restarts", type=int, default=None,
+                   help="Times a dead engine replica is restarted in a row (backoff 1, 2, 4 ... s) before it "
+                        "is given up. Default: 5 with --data-parallel-size > 1; 0 with one replica, which "
+                        "keeps the server's behaviour of exiting with code 3 when its engine dies.")
     g.add_argument("--min-step-time", type=float, default=0.0, help=argparse.SUPPRESS)  # test model knob
 
     g = p.add_argument_group("server")
@@ -63,7 +79,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="413 above this (default 16 MiB).")
     g.add_argument("--body-timeout", type=float, default=60.0,
                    help="Seconds a client may take to send a whole request body; 408 after (default 60).")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="Log level of the server (default info); the engine process logs at TIDAL_ENGINE_LOG_LEVEL "
+                        "(default WARNING).")
+    g.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="Do not serve the chat page at / (docs/ui.md). The API is unaffected.")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="The model's tool-call format, parsed into message.tool_calls under tool_choice 'auto' "
+                        "(hermes: Qwen2/Qwen3 <tool_call>; llama3_json; mistral [TOOL_CALLS]). "
+                        "tool_choice 'required' or a named function needs no parser.")
 
     g = p.add_argument_group("admission and backpressure (see docs/admission.md)")
     g.add_argument("--max-queued-requests", type=_queue_bound, default=256,
@@ -130,7 +154,11 @@ def server_config(args: argparse.Namespace):
         max_ws_requests_per_connection=args.max_ws_requests_per_connection,
         shutdown_timeout=args.shutdown_timeout,
         engine_heartbeat_timeout=args.engine_heartbeat_timeout,
+        data_parallel_size=args.data_parallel_size,
+        engine_restarts=args.engine_restarts,
         log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser,
+        ui=args.ui,
     )
 
 
@@ -142,6 +170,32 @@ def _check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         p.error("--max-model-len must be at least 2")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         p.error("--num-kv-blocks must be at least 1")
+    if args.data_parallel_size < 1:
+        p.error("--data-parallel-size must be at least 1")
+    if args.engine_restarts is not None and args.engine_restarts < 0:
+        p.error("--engine-restarts must be >= 0")
+
+
+def _resolve_hub_model(args: argparse.Namespace) -> None:
+    """A Hub id becomes its local snapshot here, once, before any engine starts (docs/scaling.md)."""
+    from tidal.hub import is_hub_id, resolve_hub_model
+
+    if is_hub_id(args.model):
+        path = resolve_hub_model(args.model, args.revision, args.download_dir)
+        args.served_model_name = args.served_model_name or args.model
+        args.model = path
+
+
+def _unknown_arguments(p: argparse.ArgumentParser, unknown: list[str]) -> None:
+    flags = [flag for action in p._actions for flag in action.option_strings]
+    hints = []
+    for arg in unknown:
+        name = arg.split("=", 1)[0]
+        if name.startswith("-"):
+            close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{name}: did you mean {close[0]}?")
+    p.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"\n  {hint}" for hint in hints))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,12 +208,27 @@ def main(argv: list[str] | None = None) -> int:
     from tidal import bench
 
     bench.add_arguments(bench_p)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage and the nearest flag, not the top-level usage
+        _unknown_arguments(serve_p if args.command == "serve" else bench_p, unknown)
     if args.command == "bench":
         return bench.main(args)
 
     _check_engine_args(serve_p, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tidal.hub import ModelNotAvailable
+    from tidal.server import check_port_free
+
+    try:  # before a Hub download or an engine start, either of which can take minutes
+        check_port_free(args.host, args.port)
+    except OSError as exc:
+        logging.getLogger("tidal.server").error("exiting: cannot serve on %s:%d: %s", args.host, args.port, exc)
+        return 2
+    try:
+        _resolve_hub_model(args)
+    except ModelNotAvailable as exc:  # the same exit code as a bad local model directory
+        logging.getLogger("tidal.server").error("exiting: %s", exc)
+        return 3
     try:
         config = server_config(args)
     except ValueError as exc:

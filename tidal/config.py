@@ -30,12 +30,18 @@ class ServerConfig:
     engine_heartbeat_interval: float = 1.0
     engine_heartbeat_timeout: float = 10.0
     engine_start_timeout: float = 600.0
+    data_parallel_size: int = 1  # engine replicas (docs/scaling.md)
+    engine_restarts: int | None = None  # restarts in a row of a dead replica; None: 5 if several, else 0
     log_level: str = "info"
+    tool_call_parser: str | None = None  # the model's tool-call format, parsed under tool_choice "auto"
+    ui: bool = True  # the chat page at / (docs/ui.md)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be at least 1")
+        if self.data_parallel_size < 1:
+            raise ValueError("--data-parallel-size must be at least 1")
         if self.tokenizer_workers < 1:
             raise ValueError("--tokenizer-workers must be at least 1")
         if not (self.max_queued_requests >= 0):
@@ -52,6 +58,12 @@ class ServerConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.engine.model
+
+    @property
+    def max_engine_restarts(self) -> int:
+        if self.engine_restarts is not None:
+            return self.engine_restarts
+        return 5 if self.data_parallel_size > 1 else 0
 
     @property
     def queue_unbounded(self) -> bool:

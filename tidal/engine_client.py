@@ -93,6 +93,12 @@ class EngineClient:
         """Send every report (and the news of the engine's death) to ``listener`` from now on."""
         self.listener = listener
 
+    def pick(self, prompt_token_ids: list[int]) -> "EngineClient":
+        """The engine that serves a request: this one (``tidal.replicas.ReplicaSet`` picks among several)."""
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        return self
+
     def submit_nowait(self, message: AddRequest) -> None:
         """Queue the request for the engine. Never blocks."""
         if self.dead is not None:

@@ -141,7 +141,8 @@ class Frontend:
         self.metrics.rejected.labels(self.metrics.model_name, "queue_full").inc()
         raise service_unavailable(QUEUE_FULL)
 
-    def open_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int) -> ActiveRequest:
+    def open_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+                     fork_of: int | None = None) -> ActiveRequest:
         """Admit a request and send it to the engine, or raise an ApiError (503).
 
         Synchronous: nothing can be cancelled half-way. The request is closed when the
@@ -156,6 +157,7 @@ class Frontend:
         now = trio.current_time()
         order = next(self._ids)
         victim = self._admit(priority, (priority, now, order))
+        engine = engine.pick(prompt_token_ids)  # the replica that will serve it soonest (tidal/router.py)
         request = ActiveRequest(
             request_id=order,
             priority=priority,
@@ -166,7 +168,7 @@ class Frontend:
             mailbox=Mailbox(self.config.max_stream_buffer_bytes),
             engine=engine,
         )
-        engine.submit_nowait(AddRequest(request.request_id, prompt_token_ids, params, priority, time.time()))
+        engine.submit_nowait(AddRequest(request.request_id, prompt_token_ids, params, priority, time.time(), fork_of))
         self.requests.add(request)
         self.metrics.prompt_tokens_m.inc(len(prompt_token_ids))
         opened = _scope.get()

@@ -16,7 +16,7 @@ FINISH_REASONS = ("stop", "length")  # aborted requests are counted in requests_
 
 
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, num_replicas: int = 1):
         self.registry = r = CollectorRegistry()
         labels = ["model_name"]
         self.num_requests_running = Gauge("tidal:num_requests_running",
@@ -54,7 +54,31 @@ class Metrics:
             "Engine outputs merged into another one because the client was behind.", labels, registry=r)
         self.finished = Counter("tidal:requests_finished", "Requests finished, by finish reason.",
                                 labels + ["finished_reason"], registry=r)
+        # Data-parallel replicas (docs/scaling.md): the gauges above are the whole server's (the sum
+        # over serving replicas); these are per replica, labelled replica="0".."N-1".
+        rlabels = ["model_name", "replica"]
+        self.replicas_live = Gauge("tidal:replicas_live", "Engine replicas serving now.", labels, registry=r)
+        self.replica_up = Gauge("tidal:replica_up", "1 while the replica serves, 0 while it is down or restarting.",
+                                rlabels, registry=r)
+        self.replica_restarts = Gauge("tidal:replica_restarts", "Times the replica was restarted so far.",
+                                      rlabels, registry=r)
+        self.replica_running = Gauge("tidal:replica_num_requests_running", "Requests running in the replica.",
+                                     rlabels, registry=r)
+        self.replica_waiting = Gauge("tidal:replica_num_requests_waiting", "Requests waiting in the replica.",
+                                     rlabels, registry=r)
+        self.replica_kv_usage = Gauge("tidal:replica_kv_cache_usage_perc",
+                                      "Fraction of the replica's KV blocks held by live requests.", rlabels,
+                                      registry=r)
+        self.replica_prefix_hits = Gauge("tidal:replica_prefix_cache_hit_tokens",
+                                         "Prompt tokens the replica found in its prefix cache so far.", rlabels,
+                                         registry=r)
+        self.routed = Counter("tidal:requests_routed", "Requests routed to each replica, by why it was chosen "
+                              "(load: least loaded; prefix: it caches the prompt's prefix).",
+                              rlabels + ["reason"], registry=r)
         m = model_name
+        for replica in range(num_replicas):
+            for reason in ("load", "prefix"):
+                self.routed.labels(m, str(replica), reason)
         # Export every known label value from the start (at 0), so the series exist before the
         # first abort or rejection and rate() over them works.
         for reason in ABORT_REASONS:
@@ -72,8 +96,21 @@ class Metrics:
         self.coalesced_m = self.coalesced_chunks.labels(m)
         self.model_name = m
 
-    def render(self, stats, num_frontend_requests: int) -> bytes:
+    def render(self, stats, num_frontend_requests: int, replicas=()) -> bytes:
+        """``replicas``: (index, serving, stats, num_restarts) of each data-parallel replica."""
         m = self.model_name
+        live = 0
+        for index, serving, replica_stats, num_restarts in replicas:
+            label = str(index)
+            live += serving
+            self.replica_up.labels(m, label).set(int(serving))
+            self.replica_restarts.labels(m, label).set(num_restarts)
+            self.replica_running.labels(m, label).set(replica_stats.num_running if serving else 0)
+            self.replica_waiting.labels(m, label).set(replica_stats.num_waiting if serving else 0)
+            total_blocks = replica_stats.num_total_blocks or 1
+            self.replica_kv_usage.labels(m, label).set(replica_stats.num_used_blocks / total_blocks if serving else 0)
+            self.replica_prefix_hits.labels(m, label).set(replica_stats.num_prefix_hit_tokens)
+        self.replicas_live.labels(m).set(live)
         self.num_requests_running.labels(m).set(stats.num_running)
         self.num_requests_waiting.labels(m).set(stats.num_waiting)
         total = stats.num_total_blocks or 1

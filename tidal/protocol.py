@@ -7,6 +7,8 @@ small ``msgspec.json.encode`` and a bytes join.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -14,7 +16,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from tidal.wire import SamplingParams
+from tidal.tool_calls import named_schema, required_schema
+from tidal.wire import SamplingParams, StructuredOutput
 
 _json_encode = msgspec.json.encode
 
@@ -61,6 +64,51 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: str
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: str
+    function: NamedFunction
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True):
+    """vLLM's ``structured_outputs`` object (one constraint)."""
+
+    json: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -84,6 +132,13 @@ class _Common(msgspec.Struct, kw_only=True):
     priority: int = 0
     n: int = 1
     logprobs: bool | int | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs tokens as "token_id:N"
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None  # vLLM's older spellings
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None
 
 
@@ -91,6 +146,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -109,6 +167,18 @@ NESTED_TOO_DEEPLY = "Request body is not valid JSON: it is nested too deeply"
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
+_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+
+
+def _error_param(text: str) -> str | None:
+    """The offending field's path from msgspec's message; a missing field's path includes its name."""
+    path = text.rsplit("at `$", 1)[-1].rstrip("`").lstrip(".") if "at `$" in text else ""
+    missing = _MISSING_FIELD.search(text)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path or None
+
+
 def parse_body(kind: Literal["chat", "completions"], body: bytes | dict) -> ChatCompletionRequest | CompletionRequest:
     """Decode and type-check a request body (400 with the offending field otherwise)."""
     try:
@@ -117,8 +187,7 @@ def parse_body(kind: Literal["chat", "completions"], body: bytes | dict) -> Chat
         return _decoders[kind].decode(body)
     except msgspec.ValidationError as exc:
         text = str(exc)
-        param = text.rsplit("at `$.", 1)[-1].rstrip("`") if "at `$." in text else None
-        raise bad_request(f"Invalid request: {text}", param) from None
+        raise bad_request(f"Invalid request: {text}", _error_param(text)) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}") from None
     except RecursionError:  # msgspec's depth guard: no field of ours nests that deep
@@ -146,8 +215,27 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
                                       f"messages[{i}].content")
                 texts.append(part.text)
             content = "".join(texts)
-        out.append({"role": message.role, "content": content or ""})
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.tool_calls:
+            entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.name is not None:
+            entry["name"] = message.name
+        out.append(entry)
     return out
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier assistant tool call as chat templates expect it: arguments as an object."""
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            pass  # leave it as text; the template decides
+    return {**call, "function": function}
 
 
 def completion_prompt(request: CompletionRequest) -> str | list[int]:
@@ -186,13 +274,162 @@ class Validated:
     include_usage: bool
     stream_interval: int | None
     priority: int
+    return_tokens_as_token_ids: bool = False
+    structured_param: str | None = None  # the field that set the output constraint
+    tools: ToolUse | None = None
+    kind: Literal["chat", "completions"] = "chat"
+    n: int = 1
+
+
+MAX_N = 16  # choices per request; each counts as one sequence against the admission bounds
+MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's bound)
+MAX_LEGACY_LOGPROBS = 5  # completions logprobs (OpenAI's bound)
+
+
+def _logprobs(r: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """How many top alternatives to report per token, or None for no logprobs."""
+    if isinstance(r, ChatCompletionRequest):
+        _check(r.logprobs is None or isinstance(r.logprobs, bool), "logprobs must be a boolean", "logprobs")
+        top = r.top_logprobs
+        _check(top is None or 0 <= top <= MAX_TOP_LOGPROBS,
+               f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
+        _check(not top or r.logprobs, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (top or 0) if r.logprobs else None
+    value = r.logprobs
+    if value is None or value is False:
+        return None
+    _check(not isinstance(value, bool) and 0 <= value <= MAX_LEGACY_LOGPROBS,
+           f"logprobs must be an integer between 0 and {MAX_LEGACY_LOGPROBS}", "logprobs")
+    return value  # type: ignore[return-value]
+
+
+def _schema_text(schema: Any, param: str) -> str:
+    """A JSON schema as compact JSON text (the grammar cache key). Key order is kept: the
+    output's properties come in the schema's order."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise bad_request("the JSON schema is not valid JSON", param) from None
+    _check(isinstance(schema, (dict, bool)), "the JSON schema must be an object", param)
+    return json.dumps(schema, separators=(",", ":"))
+
+
+def structured_output(r: ChatCompletionRequest | CompletionRequest) -> tuple[StructuredOutput | None, str | None]:
+    """The request's output constraint and the field that set it; 400 on a malformed one.
+
+    A constraint its grammar engine rejects (an unsupported schema keyword, a bad regex) is
+    refused by the engine before the request is scheduled, also with a 400 (see ``Api.prepare``).
+    """
+    found: list[tuple[StructuredOutput, str]] = []
+    fmt = r.response_format
+    if fmt is not None:
+        if fmt.type == "json_schema":
+            _check(fmt.json_schema is not None and fmt.json_schema.schema is not None,
+                   "response_format json_schema needs json_schema.schema", "response_format")
+            found.append((StructuredOutput("json_schema", _schema_text(fmt.json_schema.schema,  # type: ignore[union-attr]
+                                                                          "response_format")), "response_format"))
+        elif fmt.type == "json_object":
+            found.append((StructuredOutput("json_object"), "response_format"))
+        else:
+            _check(fmt.type == "text", "response_format.type must be one of text, json_object, json_schema",
+                   "response_format")
+    so = r.structured_outputs
+    options = [("json", so.json if so else None, r.guided_json), ("regex", so.regex if so else None, r.guided_regex),
+               ("choice", so.choice if so else None, r.guided_choice),
+               ("grammar", so.grammar if so else None, r.guided_grammar)]
+    for name, new_style, old_style in options:
+        for value, param in ((new_style, "structured_outputs"), (old_style, f"guided_{name}")):
+            if value is None:
+                continue
+            if name == "json":
+                found.append((StructuredOutput("json_schema", _schema_text(value, param)), param))
+            elif name == "choice":
+                _check(bool(value) and all(isinstance(c, str) and c for c in value),
+                       "choice must be a non-empty list of non-empty strings", param)
+                found.append((StructuredOutput("choice", json.dumps(value)), param))
+            else:
+                _check(bool(value), f"{name} must not be empty", param)
+                found.append((StructuredOutput(name, value), param))  # type: ignore[arg-type]
+    if so is not None and so.json_object:
+        found.append((StructuredOutput("json_object"), "structured_outputs"))
+    if not found:
+        return None, None
+    _check(len(found) == 1, "give at most one output constraint (response_format, structured_outputs, guided_*)",
+           found[-1][1])
+    return found[0]
+
+
+MAX_TOOLS = 128  # OpenAI's bound
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """How a chat request uses its tools: passed to the template, and how the answer is read."""
+
+    tools: list[dict[str, Any]]  # OpenAI tool objects, for the chat template
+    mode: Literal["auto", "required", "named"]
+    function: str | None = None  # the named function
+    parallel: bool = True
+
+    @property
+    def functions(self) -> list[dict[str, Any]]:
+        return [tool["function"] for tool in self.tools]
+
+
+def tool_use(r: ChatCompletionRequest | CompletionRequest) -> ToolUse | None:
+    """The request's tools and tool_choice, checked (400 naming the field otherwise)."""
+    if not isinstance(r, ChatCompletionRequest):
+        return None
+    tools, choice = r.tools or [], r.tool_choice
+    _check(len(tools) <= MAX_TOOLS, f"at most {MAX_TOOLS} tools are supported", "tools")
+    names = []
+    for i, tool in enumerate(tools):
+        _check(tool.type == "function", f"tools[{i}].type must be 'function'", f"tools[{i}].type")
+        _check(bool(_TOOL_NAME.fullmatch(tool.function.name)),
+               f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-'", f"tools[{i}].function.name")
+        names.append(tool.function.name)
+    _check(len(set(names)) == len(names), "tool names must be unique", "tools")
+    if isinstance(choice, NamedToolChoice):
+        _check(choice.type == "function", "tool_choice.type must be 'function'", "tool_choice")
+        _check(choice.function.name in names, f"tool_choice names a function that is not in tools: "
+               f"{choice.function.name!r}", "tool_choice")
+        mode, function = "named", choice.function.name
+    else:
+        _check(choice in (None, "none", "auto", "required"),
+               "tool_choice must be 'none', 'auto', 'required' or a named function", "tool_choice")
+        _check(choice in (None, "none") or tools, f"tool_choice {choice!r} needs tools", "tool_choice")
+        if not tools or choice == "none":
+            return None  # tools with "none" are still shown to the template (see Api.prepare)
+        mode, function = ("auto" if choice in (None, "auto") else "required"), None
+    plain = [msgspec.to_builtins(tool) for tool in tools]
+    return ToolUse(plain, mode, function, r.parallel_tool_calls)  # type: ignore[arg-type]
+
+
+def _forced_tool_call(use: ToolUse | None) -> StructuredOutput | None:
+    if use is None or use.mode == "auto":
+        return None
+    if use.mode == "named":
+        tool = next(f for f in use.functions if f["name"] == use.function)
+        schema = named_schema(tool)
+    else:
+        schema = required_schema(use.functions, use.parallel)
+    return StructuredOutput("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
 def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> Validated:
     """Range checks shared by both endpoints. Prompt length is checked after tokenising."""
     r = request
-    _check(r.n == 1, "Only n=1 is supported", "n")
-    _check(not r.logprobs, "logprobs are not supported", "logprobs")
+    _check(1 <= r.n <= MAX_N, f"n must be between 1 and {MAX_N}", "n")
+    num_logprobs = _logprobs(r)
+    structured, structured_param = structured_output(r)
+    tools = tool_use(r)
+    forced = _forced_tool_call(tools)
+    if forced is not None:
+        _check(structured is None, "tool_choice 'required' or a named function cannot be combined with another "
+               "output constraint", structured_param or "tool_choice")
+        structured, structured_param = forced, "tools"
     if isinstance(r, CompletionRequest):
         _check(not r.echo, "echo is not supported", "echo")
         _check(r.suffix is None, "suffix is not supported", "suffix")
@@ -247,9 +484,13 @@ def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int
         stop_token_ids=tuple(stop_ids),
         ignore_eos=r.ignore_eos,
         skip_special_tokens=r.skip_special_tokens,
+        logprobs=num_logprobs,
+        structured=structured,
     )
     include_usage = bool(r.stream_options and r.stream_options.include_usage)
-    return Validated(params, max_tokens is not None, r.stream, include_usage, r.stream_interval, r.priority)
+    return Validated(params, max_tokens is not None, r.stream, include_usage, r.stream_interval, r.priority,
+                     r.return_tokens_as_token_ids, structured_param, tools,
+                     "chat" if isinstance(r, ChatCompletionRequest) else "completions", r.n)
 
 
 def fit_max_tokens(v: Validated, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
@@ -285,41 +526,65 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 class ChunkEncoder:
     """Builds one request's stream chunks (SSE frames or WebSocket payload objects)."""
 
-    def __init__(self, kind: Literal["chat", "completions"], model: str):
+    def __init__(self, kind: Literal["chat", "completions"], model: str, index: int = 0,
+                 same_response_as: "ChunkEncoder | None" = None):
         self.kind = kind
-        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
+        self.index = index  # the choice (n > 1); its encoders share the response's id and time
+        if same_response_as is not None:
+            self.id, self.created = same_response_as.id, same_response_as.created
+        else:
+            self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+            self.created = int(time.time())
         self.model = model
         head = {"id": self.id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                 "created": self.created, "model": model}
         self._head = _json_encode(head)[:-1]  # without the closing brace
         if kind == "chat":
-            self._first = self._head + b',"choices":[{"index":0,"delta":{"role":"assistant","content":'
-            self._next = self._head + b',"choices":[{"index":0,"delta":{"content":'
-            self._mid = b'},"logprobs":null,"finish_reason":'
+            self._first = self._head + b',"choices":[{"index":%d,"delta":{"role":"assistant","content":' % index
+            self._next = self._head + b',"choices":[{"index":%d,"delta":{"content":' % index
+            self._mid = b'},"logprobs":'
         else:
-            self._first = self._next = self._head + b',"choices":[{"index":0,"text":'
-            self._mid = b',"logprobs":null,"finish_reason":'
+            self._first = self._next = self._head + b',"choices":[{"index":%d,"text":' % index
+            self._mid = b',"logprobs":'
         self._sent_first = False
 
-    def chunk_json(self, text: str, finish_reason: str | None) -> bytes:
+    def chunk_json(self, text: str, finish_reason: str | None, logprobs: Any = None,
+                   tool_calls: list[dict[str, Any]] | None = None) -> bytes:
         """One chunk as JSON bytes: the first chat chunk also carries the role."""
+        if tool_calls:
+            return self._tool_calls_chunk(text, finish_reason, logprobs, tool_calls)
         prefix = self._next if self._sent_first else self._first
         self._sent_first = True
         reason = b"null" if finish_reason is None else _json_encode(finish_reason)
-        return prefix + _json_encode(text) + self._mid + reason + b"}]}"
+        lp = b"null" if logprobs is None else _json_encode(logprobs)
+        return prefix + _json_encode(text) + self._mid + lp + b',"finish_reason":' + reason + b"}]}"
+
+    def _tool_calls_chunk(self, text: str, finish_reason: str | None, logprobs: Any,
+                          tool_calls: list[dict[str, Any]]) -> bytes:
+        """The chunk that carries a chat message's tool calls (whole: name and all arguments)."""
+        delta: dict[str, Any] = {} if self._sent_first else {"role": "assistant"}
+        self._sent_first = True
+        delta["content"] = text or None
+        delta["tool_calls"] = tool_calls
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._head + b',"choices":[' + _json_encode(choice) + b"]}"
 
     def usage_json(self, usage_obj: dict[str, Any]) -> bytes:
         return self._head + b',"choices":[],"usage":' + _json_encode(usage_obj) + b"}"
 
     def full_response(self, text: str, finish_reason: str | None, usage_obj: dict[str, Any],
-                      stop_reason: str | int | None) -> dict[str, Any]:
+                      stop_reason: str | int | None, logprobs: Any = None,
+                      tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["content"] = text or None
+                message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in tool_calls]
+            choice = {"index": self.index, "message": message, "logprobs": logprobs,
                       "finish_reason": finish_reason, "stop_reason": stop_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+            choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                       "stop_reason": stop_reason}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,

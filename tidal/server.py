@@ -3,21 +3,26 @@
 Nursery nesting is lifetime nesting::
 
     serve()                                   root nursery
-      EngineClient.run                        engine process + writer/demux/heartbeat tasks
+      ReplicaSet.run                          one supervisor per engine replica (tidal/replicas.py)
+        EngineClient.run                      engine process + writer/demux/heartbeat tasks
       hypercorn.trio.serve                    one task per connection; quart-trio one per request
       Frontend.watch_stalls                   slow-client watchdog
+      ServerState.sample                      abort counts for /state's last-minute window
       _handle_signals                         SIGINT/SIGTERM: drain, then stop
 
-Policy on engine failure: every request in flight is failed at once (the engine client
-tells ``Frontend.on_engine_dead``), /health answers 503, and after a one-second grace for those
-errors to reach the clients ``serve`` raises ``EngineDead``: the process exits non-zero
-so that a supervisor (systemd, Kubernetes) restarts it.
+Policy on engine failure: every request in flight on the failed engine is failed at once
+(the engine client tells ``Frontend.on_engine_dead``). With one engine and no
+``--engine-restarts``, /health answers 503, and after a one-second grace for those errors to
+reach the clients ``serve`` raises ``EngineDead``: the process exits non-zero so that a
+supervisor (systemd, Kubernetes) restarts it. With replicas the others keep serving and the
+dead one is restarted (docs/scaling.md); the process exits only when no replica is left.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
 from functools import partial
 
 import hypercorn.config
@@ -31,7 +36,11 @@ from tidal.config import ServerConfig
 from tidal.engine_client import EngineClient, EngineDead, channel_capacity
 from tidal.frontend import Frontend, request_scope_middleware
 from tidal.metrics import Metrics
+from tidal.replicas import ReplicaSet, replica_config
+from tidal.router import Router
+from tidal.server_state import ServerState
 from tidal.tokenizer import PromptTokenizer
+from tidal.ui import register_state, register_ui
 
 log = logging.getLogger("tidal.server")
 
@@ -43,15 +52,23 @@ class Server:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.metrics = Metrics(config.model_name)
-        max_in_flight = config.max_queued_requests + config.engine.max_num_seqs
-        self.engine = EngineClient(
-            config.engine,
-            channel_capacity=channel_capacity(max_in_flight),
-            heartbeat_interval=config.engine_heartbeat_interval,
-            heartbeat_timeout=config.engine_heartbeat_timeout,
-            start_timeout=config.engine_start_timeout,
-        )
+        num_replicas = config.data_parallel_size
+        self.metrics = m = Metrics(config.model_name, num_replicas)
+        # admission bounds what all replicas hold together; any one replica may get all of it
+        max_in_flight = config.max_queued_requests + config.engine.max_num_seqs * num_replicas
+
+        def make_client(index: int) -> EngineClient:
+            return EngineClient(
+                replica_config(config.engine, index, num_replicas),
+                channel_capacity=channel_capacity(max_in_flight),
+                heartbeat_interval=config.engine_heartbeat_interval,
+                heartbeat_timeout=config.engine_heartbeat_timeout,
+                start_timeout=config.engine_start_timeout,
+            )
+
+        router = Router(num_replicas, config.engine.block_size, prefix_affinity=config.engine.enable_prefix_caching)
+        self.engine = ReplicaSet(make_client, num_replicas, router, max_restarts=config.max_engine_restarts)
+        self.engine.on_routed = lambda d: m.routed.labels(m.model_name, str(d.index), d.reason).inc()
         self.frontend: Frontend | None = None
         self.connection_limit: connections.ConnectionLimit | None = None
         self.urls: list[str] = []
@@ -64,12 +81,19 @@ class Server:
         async with trio.open_nursery() as nursery:
             ready = await nursery.start(self._run_engine)
             tokenizer = await PromptTokenizer.load(ready.model, cfg.tokenizer_workers, ready.max_model_len)
-            frontend = self.frontend = Frontend(cfg, self.engine, self.metrics, ready.max_num_seqs)
-            api = Api(frontend, tokenizer, cfg.model_name, ready.max_model_len, ready.vocab_size)
+            frontend = self.frontend = Frontend(cfg, self.engine, self.metrics,
+                                                ready.max_num_seqs * cfg.data_parallel_size)
+            api = Api(frontend, tokenizer, cfg.model_name, ready.max_model_len, ready.vocab_size,
+                      cfg.tool_call_parser)
             app = create_app(api, cfg.api_key, cfg.max_request_body_bytes,
-                             lambda: self.metrics.render(self.engine.stats, len(frontend.active)),
+                             lambda: self.metrics.render(self.engine.stats, len(frontend.active),
+                                                         self.engine.snapshot()),
                              self._health_check, cfg.max_ws_requests_per_connection)
             app.config["BODY_TIMEOUT"] = cfg.body_timeout
+            state = ServerState(self.metrics, lambda: self.engine.stats, lambda: len(frontend.active))
+            register_state(app, state)
+            if cfg.ui:
+                register_ui(app)
             asgi = request_scope_middleware(app, lambda: frontend)
             fast_send.install()
             connections.install()
@@ -83,7 +107,11 @@ class Server:
             self.urls = await nursery.start(partial(hypercorn.trio.serve, asgi, hconfig,
                                                     shutdown_trigger=self._shutdown.wait))
             nursery.start_soon(frontend.watch_stalls)
-            log.info("tidal ready: serving %s at %s (engine pid %d)", cfg.model_name, self.urls[0], ready.pid)
+            nursery.start_soon(state.sample)
+            pids = ", ".join(str(r.ready.pid) for r in self.engine.replicas if r.ready is not None)
+            log.info("tidal ready: serving %s at %s (engine pid %s)", cfg.model_name, self.urls[0], pids)
+            if cfg.ui:
+                log.info("chat page: %s/ (--no-ui turns it off)", self.urls[0])
             task_status.started(self.urls)
             await self._stopped.wait()
             nursery.cancel_scope.cancel()
@@ -105,18 +133,15 @@ class Server:
     async def _run_engine(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
             await self.engine.run(task_status=task_status)
-        except EngineDead:
-            if self.engine.ready is not None:  # failed while serving: let the errors reach clients
+        except* EngineDead:
+            if self.engine.ever_served:  # failed while serving: let the errors reach clients
                 with trio.CancelScope(shield=True):
                     await trio.sleep(ENGINE_FAILURE_GRACE)
             raise
 
     async def _health_check(self) -> str | None:
-        if not self.engine.healthy:
-            return self.engine.dead or "starting"
-        if await self.engine.ping(timeout=2.0) is None:
-            return self.engine.dead or "no answer from the engine within 2 s"
-        return None
+        """None (200) while at least one engine replica answers; else why not (503)."""
+        return await self.engine.health(timeout=2.0)
 
     async def stop(self) -> None:
         """Graceful stop: refuse new requests, drain for --shutdown-timeout, abort the rest, exit."""
@@ -142,6 +167,7 @@ async def serve(config: ServerConfig) -> int:
     server = Server(config)
     exit_code = 0
     try:
+        check_port_free(config.host, config.port)  # before the engine loads: that can take minutes
         async with trio.open_nursery() as nursery:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async def on_signals():
@@ -160,13 +186,24 @@ async def serve(config: ServerConfig) -> int:
                 nursery.start_soon(on_signals)
                 await server.run()
                 nursery.cancel_scope.cancel()
-    except* EngineDead as group:
-        log.error("exiting: %s", _innermost(group))
+    except* EngineDead:  # the engine client logged why, once, when it declared the engine dead
+        log.info("exiting with code 3 (engine failure)")
         exit_code = 3
     except* OSError as group:  # e.g. the port is taken
         log.error("exiting: cannot serve on %s:%d: %s", config.host, config.port, _innermost(group))
         exit_code = 2
     return exit_code
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError (e.g. "Address already in use") if hypercorn could not bind host:port."""
+    if port == 0:
+        return
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as hypercorn binds
+        probe.bind(address)
 
 
 def _innermost(error: BaseException) -> BaseException:

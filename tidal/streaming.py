@@ -17,7 +17,9 @@ from tidal.fast_send import BodyWriter
 from tidal.frontend import Frontend
 from tidal.lifecycle import ActiveRequest
 from tidal.protocol import SSE_DONE, ApiError, ChunkEncoder, sse, usage
-from tidal.wire import RequestOutput
+from tidal.token_logprobs import LogprobsFormatter
+from tidal.tool_calls import ToolCallStream
+from tidal.wire import Logprobs, RequestOutput
 
 
 class OutputReader:
@@ -26,10 +28,16 @@ class OutputReader:
     The reader's end is its mailbox's: a final output (``finish_reason``) or an ``ApiError``.
     """
 
-    def __init__(self, frontend: Frontend, request: ActiveRequest, first: RequestOutput, stream_interval: int):
+    def __init__(self, frontend: Frontend, request: ActiveRequest, first: RequestOutput, stream_interval: int,
+                 logprobs: LogprobsFormatter | None = None, tool_calls: ToolCallStream | None = None):
         self.frontend = frontend
         self.request = request
         self.stream_interval = stream_interval
+        self.logprobs = logprobs  # set when the request asked for logprobs
+        self._logprob_ids: list[int] = []  # tokens (and their logprobs) not yet taken
+        self._logprob_values = Logprobs([], [], [])
+        self._tool_calls = tool_calls  # reads tool calls out of the text (chat with tools)
+        self.tool_calls: list[dict[str, Any]] | None = None  # the calls, once the request is over
         self._first: RequestOutput | None = first
         self.num_tokens = 0
         self.num_cached_tokens = first.num_cached_tokens
@@ -60,15 +68,46 @@ class OutputReader:
                     raise
                 self.frontend.note_backlog(self.request)
             text_parts.append(output.text)
+            if self.logprobs is not None and output.logprobs is not None:
+                self._logprob_ids.extend(output.token_ids)
+                self._logprob_values.extend(output.logprobs)
             tokens += len(output.token_ids)
             self.num_tokens += len(output.token_ids)
             self.num_cached_tokens = output.num_cached_tokens
             if output.finish_reason is not None:
                 self.finish_reason = output.finish_reason
                 self.stop_reason = output.stop_reason
-                return "".join(text_parts)
+                return self._content("".join(text_parts), final=True)
             if tokens >= self.stream_interval:
-                return "".join(text_parts)
+                return self._content("".join(text_parts), final=False)
+
+    def _content(self, text: str, final: bool) -> str:
+        """The message content in ``text``; tool calls are held back and set at the end."""
+        calls = self._tool_calls
+        if calls is None:
+            return text
+        content = calls.feed(text)
+        if final:
+            tail, found = calls.finish()
+            content += tail
+            if found:
+                self.tool_calls = [call.to_openai(i) for i, call in enumerate(found)]
+                if self.finish_reason == "stop":
+                    self.finish_reason = "tool_calls"
+        return content
+
+    @property
+    def has_output(self) -> bool:
+        """Output is waiting to be read (reading it will not block)."""
+        return self._first is not None or self.request.mailbox.has_pending
+
+    def take_logprobs(self) -> dict[str, Any] | None:
+        """The OpenAI logprobs object of the tokens read since the last call (None if not asked)."""
+        if self.logprobs is None:
+            return None
+        ids, values = self._logprob_ids, self._logprob_values
+        self._logprob_ids, self._logprob_values = [], Logprobs([], [], [])
+        return self.logprobs.format(ids, values)
 
     def usage(self) -> dict[str, Any]:
         return usage(self.request.num_prompt_tokens, self.num_tokens, self.num_cached_tokens)
@@ -111,7 +150,7 @@ class SseBody:
             finish = reader.finish_reason
             if finish is None and not text:
                 continue  # e.g. text held back by the stop-string check: nothing to say yet
-            frame = sse(self.encoder.chunk_json(text, finish))
+            frame = sse(self.encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls))
             if finish is not None:
                 if self.include_usage:
                     frame += sse(self.encoder.usage_json(reader.usage()))
@@ -127,4 +166,5 @@ async def collect(reader: OutputReader, encoder: ChunkEncoder) -> dict[str, Any]
     parts = []
     while not reader.done:
         parts.append(await reader.next_delta())
-    return encoder.full_response("".join(parts), reader.finish_reason, reader.usage(), reader.stop_reason)
+    return encoder.full_response("".join(parts), reader.finish_reason, reader.usage(), reader.stop_reason,
+                                 reader.take_logprobs(), reader.tool_calls)

@@ -103,13 +103,13 @@ class PromptTokenizer:
                 f"{num_chars} characters, more than that many tokens can hold (at most {self.max_prompt_chars} "
                 f"characters). Please reduce the length of the input.", param)
 
-    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         num_chars = sum(len(m["content"]) for m in messages)
         self._check_length(num_chars, "messages")  # the template only adds text
-        if num_chars <= INLINE_MAX_CHARS:
+        if num_chars <= INLINE_MAX_CHARS and not tools:  # tool schemas can make a long prompt: a worker
             await trio.lowlevel.checkpoint()
             return self._encode_chat(messages)
-        return await self._in_worker(self._encode_chat, messages)
+        return await self._in_worker(self._encode_chat, messages, tools)
 
     async def encode_text(self, text: str) -> list[int]:
         self._check_length(len(text), "prompt")
@@ -118,18 +118,20 @@ class PromptTokenizer:
             return self._encode_text(text)
         return await self._in_worker(self._encode_text, text)
 
-    async def _in_worker(self, fn, arg):
-        """Run ``fn(arg)`` in a worker thread: at most ``workers`` at once, at most ``max_waiting``
+    async def _in_worker(self, fn, *args):
+        """Run ``fn(*args)`` in a worker thread: at most ``workers`` at once, at most ``max_waiting``
         waiting for one (FIFO); past that the caller gets a 503 at once."""
         if self.limiter.statistics().tasks_waiting >= self.max_waiting:
             raise ApiError(503, TOKENIZER_QUEUE_FULL, "service_unavailable", headers={"Retry-After": "1"})
-        return await trio.to_thread.run_sync(fn, arg, limiter=self.limiter, abandon_on_cancel=True)
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter, abandon_on_cancel=True)
 
-    def _encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not self.has_chat_template:
             raise bad_request("This model has no chat template; use /v1/completions", "messages")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            # tools go to the template as transformers passes them (it renders them its own way)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
         except Exception as exc:  # a template may raise on roles or orders it does not support
             raise bad_request(f"The chat template could not render these messages: {exc}", "messages") from None
         # the template writes the special tokens it wants (e.g. BOS); add none of our own

@@ -17,6 +17,7 @@ import msgspec
 import trio
 from quart import websocket
 
+from tidal import ws_auth
 from tidal.lifecycle import ActiveRequest
 from tidal.protocol import NESTED_TOO_DEEPLY, ApiError, ChunkEncoder, bad_request
 
@@ -49,13 +50,15 @@ def register_websocket(app, api: Api, max_requests: int, auth_error: Callable[[A
 
     @app.websocket("/v1/ws")
     async def ws_endpoint():
-        error = auth_error(websocket.headers)
+        subprotocols = websocket.requested_subprotocols
+        subprotocol = ws_auth.accepted_subprotocol(subprotocols)
+        error = auth_error({"Authorization": ws_auth.authorization(websocket.headers, subprotocols)})
         if error is not None:
-            await websocket.accept()
+            await websocket.accept(subprotocol=subprotocol)
             await websocket.send(_error_message(None, error))
             await websocket.close(1008)
             return
-        await websocket.accept()
+        await websocket.accept(subprotocol=subprotocol)
         await Connection(api, max_requests).serve()
 
 
@@ -127,7 +130,7 @@ class Connection:
                     finish = reader.finish_reason
                     if finish is None and not text:
                         continue
-                    await self.send((prefix + encoder.chunk_json(text, finish) + b"}").decode())
+                    await self.send((prefix + encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls) + b"}").decode())
                 await self.send(_encode({"type": "done", "id": rid, "usage": reader.usage()}).decode())
             if scope.cancelled_caught:  # the client sent "cancel"
                 if active is not None:

@@ -22,6 +22,18 @@ FinishReason = Literal["stop", "length", "abort"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 
+class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
+    """A constraint on the output, compiled into a grammar by the engine (tidal.gpu.grammar).
+
+    ``kind`` "json_schema": ``spec`` is the schema as canonical JSON text (also the cache key);
+    "json_object": any JSON object (``spec`` empty); "regex": a regular expression;
+    "choice": a JSON list of the allowed strings; "grammar": an EBNF (GBNF) grammar.
+    """
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """What the sampler and the stop checker need. Validated by the frontend."""
 
@@ -38,6 +50,9 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknow
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # number of top alternatives to report with each token's logprob; None: no logprobs (free)
+    logprobs: int | None = None
+    structured: StructuredOutput | None = None  # None: unconstrained (no grammar work at all)
 
     @property
     def greedy(self) -> bool:
@@ -61,6 +76,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     seed: int = 0
     num_threads: int | None = None
+    # which data-parallel replica this engine is (0..N-1): on CUDA it picks the replica's device
+    data_parallel_rank: int = 0
     # Test model knob: every forward pass lasts at least this long (seconds). Lets the
     # cancellation tests put an abort "mid-forward" deterministically.
     min_step_time: float = 0.0
@@ -75,6 +92,9 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     params: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0
+    # another choice of the same request (n > 1): the engine schedules this one once that one's
+    # prompt is prefilled, so the prompt's full KV blocks come from the prefix cache, not a prefill
+    fork_of: int | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -109,6 +129,19 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_preemptions: int = 0  # cumulative
 
 
+class Logprobs(msgspec.Struct, array_like=True):
+    """Logprobs of consecutive output tokens, as compact parallel arrays (one entry per token)."""
+
+    token_logprobs: list[float]  # of the token that was sampled
+    top_token_ids: list[list[int]]  # the most likely tokens, most likely first
+    top_logprobs: list[list[float]]
+
+    def extend(self, later: "Logprobs") -> None:
+        self.token_logprobs.extend(later.token_logprobs)
+        self.top_token_ids.extend(later.top_token_ids)
+        self.top_logprobs.extend(later.top_logprobs)
+
+
 class RequestOutput(msgspec.Struct, array_like=True):
     """New output of one request since the last one sent. Merged, never dropped."""
 
@@ -118,10 +151,18 @@ class RequestOutput(msgspec.Struct, array_like=True):
     finish_reason: FinishReason | None = None
     # the stop string or stop token id that ended the request, if any
     stop_reason: str | int | None = None
-    num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: Logprobs | None = None  # only for requests that asked, one entry per token id
+    # set on the only output of a request the engine refused before scheduling it (e.g. a
+    # schema its grammar engine cannot compile); the frontend answers it with a 400
+    error: str | None = None
 
     def merge(self, later: "RequestOutput") -> None:
+        if later.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = later.logprobs
+            else:
+                self.logprobs.extend(later.logprobs)
         self.token_ids.extend(later.token_ids)
         self.text += later.text
         self.finish_reason = later.finish_reason

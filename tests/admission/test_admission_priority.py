@@ -7,7 +7,6 @@ the order the requests' first tokens arrive.
 
 from __future__ import annotations
 
-import pytest
 import trio
 
 from admission_clients import (
@@ -19,7 +18,6 @@ from admission_clients import (
     stream,
     wait_for_async,
 )
-from live_server import LiveServer
 
 MAX_QUEUED = 3
 EVICTED = {"message": "The request is aborted by a higher priority request.", "type": "service_unavailable",
@@ -28,11 +26,9 @@ QUEUE_FULL = {"message": "The request queue is full.", "type": "service_unavaila
               "code": 503}
 
 
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer("--engine-threads", "1", "--scheduling-policy", "priority", "--max-num-seqs", "1",
-                    "--max-queued-requests", str(MAX_QUEUED), "--min-step-time", "0.05") as s:
-        yield s
+# this module's server; conftest.py starts it alongside the other modules' servers
+SERVER_ARGS = ("--engine-threads", "1", "--scheduling-policy", "priority", "--max-num-seqs", "1",
+               "--max-queued-requests", str(MAX_QUEUED), "--min-step-time", "0.05")
 
 
 def in_flight(m: dict[str, float]) -> float:

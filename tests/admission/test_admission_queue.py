@@ -23,7 +23,6 @@ from admission_clients import (
     stream,
     wait_for_async,
 )
-from live_server import LiveServer
 
 MAX_NUM_SEQS = 2
 MAX_QUEUED = 2
@@ -32,12 +31,10 @@ QUEUE_FULL = {"message": "The request queue is full.", "type": "service_unavaila
               "code": 503}
 
 
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer("--engine-threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS),
-                    "--max-queued-requests", str(MAX_QUEUED), "--min-step-time", "0.05",
-                    "--max-request-body-bytes", str(MAX_BODY)) as s:
-        yield s
+# this module's server; conftest.py starts it alongside the other modules' servers
+SERVER_ARGS = ("--engine-threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS),
+               "--max-queued-requests", str(MAX_QUEUED), "--min-step-time", "0.05",
+               "--max-request-body-bytes", str(MAX_BODY))
 
 
 def in_flight(m: dict[str, float]) -> float:

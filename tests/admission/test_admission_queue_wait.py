@@ -7,7 +7,6 @@ next request waits is decided by the test, not by the machine's speed.
 
 from __future__ import annotations
 
-import pytest
 import trio
 
 from admission_clients import (
@@ -19,18 +18,15 @@ from admission_clients import (
     stream,
     wait_for_async,
 )
-from live_server import LiveServer
 
 MAX_QUEUE_WAIT = 1.5
 TIMEOUT = {"message": "Request waiting timeout reached.", "type": "service_unavailable", "param": None,
            "code": 503}
 
 
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer("--engine-threads", "1", "--max-num-seqs", "1", "--max-queue-wait", str(MAX_QUEUE_WAIT),
-                    "--min-step-time", "0.05") as s:
-        yield s
+# this module's server; conftest.py starts it alongside the other modules' servers
+SERVER_ARGS = ("--engine-threads", "1", "--max-num-seqs", "1", "--max-queue-wait", str(MAX_QUEUE_WAIT),
+               "--min-step-time", "0.05")
 
 
 async def hold_slot_for(server, client, nursery, seconds: float) -> StreamResult:

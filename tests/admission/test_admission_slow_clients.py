@@ -12,7 +12,6 @@ from __future__ import annotations
 import statistics
 
 import psutil
-import pytest
 import trio
 
 from admission_clients import (
@@ -26,7 +25,6 @@ from admission_clients import (
     stream,
     wait_for_async,
 )
-from live_server import LiveServer
 
 STALL_TIMEOUT = 2.0
 MAX_BUFFER = 4096
@@ -35,11 +33,9 @@ SLOW_CLIENT = {"message": "The client did not read its stream fast enough (stall
                           "the request was aborted.", "type": "slow_client", "param": None, "code": 503}
 
 
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer("--engine-threads", "1", "--max-num-seqs", "64", "--min-step-time", "0.03",
-                    "--stream-stall-timeout", str(STALL_TIMEOUT), "--max-stream-buffer-bytes", str(MAX_BUFFER)) as s:
-        yield s
+# this module's server; conftest.py starts it alongside the other modules' servers
+SERVER_ARGS = ("--engine-threads", "1", "--max-num-seqs", "64", "--min-step-time", "0.03",
+               "--stream-stall-timeout", str(STALL_TIMEOUT), "--max-stream-buffer-bytes", str(MAX_BUFFER))
 
 
 def rss_bytes(server) -> tuple[int, int]:

@@ -36,6 +36,9 @@ class StandInEngine:
     def attach(self, listener):
         self.listener = listener
 
+    def pick(self, prompt_token_ids):
+        return self
+
     def submit_nowait(self, message):
         self.submitted.append(message.request_id)
 

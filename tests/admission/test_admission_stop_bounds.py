@@ -16,14 +16,11 @@ import pytest
 import trio
 
 from admission_clients import PROMPT, async_client, completion_body, metrics_async, stream
-from live_server import LiveServer
 from tidal.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer("--min-step-time", "0.02") as s:
-        yield s
+# this module's server; conftest.py starts it alongside the other modules' servers
+SERVER_ARGS = ("--min-step-time", "0.02")
 
 
 def distinct_stops(count: int, length: int, seed: int = 0) -> list[str]:

@@ -7,7 +7,6 @@ Generation is fast (5 ms steps) so that a reader can fall behind within a second
 
 from __future__ import annotations
 
-import pytest
 import trio
 
 from admission_clients import (
@@ -21,7 +20,6 @@ from admission_clients import (
     stream,
     wait_for_async,
 )
-from live_server import LiveServer
 
 MAX_BUFFER = 4096
 STALL_TIMEOUT = 30.0
@@ -29,11 +27,9 @@ OVERFLOW = {"message": "The client did not read its stream fast enough (more tha
                        "undelivered); the request was aborted.", "type": "slow_client", "param": None, "code": 503}
 
 
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer("--engine-threads", "1", "--max-num-seqs", "8", "--min-step-time", "0.005",
-                    "--stream-stall-timeout", str(STALL_TIMEOUT), "--max-stream-buffer-bytes", str(MAX_BUFFER)) as s:
-        yield s
+# this module's server; conftest.py starts it alongside the other modules' servers
+SERVER_ARGS = ("--engine-threads", "1", "--max-num-seqs", "8", "--min-step-time", "0.005",
+               "--stream-stall-timeout", str(STALL_TIMEOUT), "--max-stream-buffer-bytes", str(MAX_BUFFER))
 
 
 async def test_a_reader_that_falls_behind_gets_merged_frames_and_loses_no_token(server):

@@ -10,22 +10,18 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import trio
 
 from admission_clients import async_client, completion_body, metrics_async, stream
-from live_server import LiveServer
 from tidal.ws_client import open_tidal_ws
 
 SERVER_INTERVAL = 4
 N = 13  # tokens per request: not a multiple of any interval tested but 1 and 13
 
 
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer("--engine-threads", "1", "--stream-interval", str(SERVER_INTERVAL),
-                    "--min-step-time", "0.05") as s:
-        yield s
+# this module's server; conftest.py starts it alongside the other modules' servers
+SERVER_ARGS = ("--engine-threads", "1", "--stream-interval", str(SERVER_INTERVAL),
+               "--min-step-time", "0.05")
 
 
 def coalesced(m: dict[str, float]) -> float:

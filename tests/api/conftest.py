@@ -11,7 +11,7 @@ three running plus one queued request, so WebSocket tests can act mid-stream and
 from __future__ import annotations
 
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, start_all, stop_all
 
 from .support import API_KEY, MAX_BODY_BYTES, MAX_MODEL_LEN, SERVED_MODEL
 
@@ -20,17 +20,37 @@ WS_MAX_NUM_SEQS = 3
 WS_MAX_QUEUED = 1
 
 
-@pytest.fixture(scope="package")
-def api_server():
-    with LiveServer("--api-key", API_KEY, "--served-model-name", SERVED_MODEL,
-                    "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "128",
-                    "--max-request-body-bytes", str(MAX_BODY_BYTES),
-                    "--max-ws-requests-per-connection", "2") as server:
-        yield server
+SERVER_FLAGS = {
+    "api_server": ("--api-key", API_KEY, "--served-model-name", SERVED_MODEL, "--max-model-len", str(MAX_MODEL_LEN),
+                   "--num-kv-blocks", "128", "--max-request-body-bytes", str(MAX_BODY_BYTES),
+                   "--max-ws-requests-per-connection", "2"),
+    "ws_server": ("--min-step-time", str(WS_STEP_TIME), "--max-num-seqs", str(WS_MAX_NUM_SEQS),
+                  "--max-queued-requests", str(WS_MAX_QUEUED), "--num-kv-blocks", "128", "--no-ui"),
+}
 
 
 @pytest.fixture(scope="package")
-def ws_server():
-    with LiveServer("--min-step-time", str(WS_STEP_TIME), "--max-num-seqs", str(WS_MAX_NUM_SEQS),
-                    "--max-queued-requests", str(WS_MAX_QUEUED), "--num-kv-blocks", "128") as server:
-        yield server
+def _servers(request):
+    """Every server the collected tests of this package name, started side by side."""
+    wanted = {name for item in request.session.items for name in item.fixturenames if name in SERVER_FLAGS}
+    servers = {name: LiveServer(*SERVER_FLAGS[name]) for name in sorted(wanted)}
+    start_all(list(servers.values()))
+    yield servers
+    stop_all(list(servers.values()))
+
+
+def _server(servers: dict[str, LiveServer], name: str) -> LiveServer:
+    if name not in servers:  # asked for by getfixturevalue, so not known at collection
+        servers[name] = LiveServer(*SERVER_FLAGS[name])
+        servers[name].start()
+    return servers[name]
+
+
+@pytest.fixture(scope="package")
+def api_server(_servers):
+    return _server(_servers, "api_server")
+
+
+@pytest.fixture(scope="package")
+def ws_server(_servers):
+    return _server(_servers, "ws_server")

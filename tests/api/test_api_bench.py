@@ -58,6 +58,10 @@ def test_bench_agrees_with_the_server(request, tmp_path, endpoint):
     generated = after["tidal:generation_tokens_total"] - before["tidal:generation_tokens_total"]
     assert generated == report["total_output_tokens"]
     assert report["total_input_tokens"] == after["tidal:prompt_tokens_total"] - before["tidal:prompt_tokens_total"]
+    # --input-len counts tokens of the served model's tokenizer (found by its name), not words
+    assert report["config"]["tokenizer"].endswith("tidal-tiny/tokenizer.json")
+    if endpoint == "completions":
+        assert report["total_input_tokens"] == NUM_PROMPTS * (16 + 1)  # + BOS
     assert report["duration_s"] > 0 and report["output_throughput"] > 0
     assert_stats(report["ttft_ms"], positive=True)
     assert_stats(report["e2e_ms"], positive=True)

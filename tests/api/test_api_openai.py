@@ -311,11 +311,11 @@ def test_stop_token_ids_end_the_completion(client):
     assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["stop"]
 
 
-def test_n_greater_than_one_is_a_clear_400(client):
+def test_n_above_its_bound_is_a_clear_400(client):
     with pytest.raises(openai.BadRequestError) as info:
-        chat(client, max_tokens=4, n=2)
+        chat(client, max_tokens=4, n=17)
     assert info.value.status_code == 400
-    assert info.value.param == "n" and "n=1" in info.value.body["message"]
+    assert info.value.param == "n" and "between 1 and 16" in info.value.body["message"]
 
 
 # ------------------------------------------------------------------ metrics

@@ -85,7 +85,14 @@ class ServerPool:
         self.threads[name].join()
         if name in self.errors:
             raise RuntimeError(f"{name} did not start") from self.errors[name]
-        return self.servers[name]
+        server = self.servers[name]
+        if server.process.poll() is not None:
+            # Pooled servers idle until their test; one with a 2 s engine heartbeat can be declared
+            # dead while a loaded host starves it. The test needs a live one: start it again.
+            server.stop()
+            server = self.servers[name] = PooledServer(*server.args)
+            server.start()
+        return server
 
     def stop_all(self) -> None:
         for thread in self.threads.values():

@@ -115,6 +115,24 @@ def test_abort_mid_step_frees_blocks_and_drops_the_token(model_dir):
     assert engine.block_manager.num_used_blocks == 0
 
 
+def test_abort_between_steps_waits_for_the_pass_in_flight(model_dir):
+    """The process loop handles aborts between steps, while the next forward pass already runs:
+    the blocks are free when abort() returns, and that pass's token for the request never shows."""
+    engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=32, block_size=8))
+    engine.add_request(AddRequest(1, list(range(10, 30)), greedy(50), 0, 0.0))
+    engine.add_request(AddRequest(2, list(range(40, 50)), greedy(50), 0, 0.0))
+    engine.step()
+    assert {o.request_id for o in engine.take_report().outputs} == {1, 2}
+    held_by_2 = len(engine.sequences[2].block_table)
+    engine.abort([1])  # the second pass (both requests) is in flight now
+    assert engine.block_manager.num_used_blocks == held_by_2
+    engine.step()  # books the pass that was in flight
+    report = engine.take_report()
+    assert 1 in report.finished and [o.request_id for o in report.outputs] == [2]
+    engine.abort_all()
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_work()
+
+
 def test_stop_conditions(model_dir, hf_model):
     vocab = hf_model.config.vocab_size
     prompt = prompts(11, 1, 12, 12, vocab)[0]

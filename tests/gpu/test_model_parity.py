@@ -251,7 +251,7 @@ def test_config_reads_eos_from_both_files(hf_dirs):
 def test_resolve_model_dir(tmp_path):
     assert resolve_model_dir("tidal-tiny") == tiny_model.asset_dir()
     assert resolve_model_dir(str(tmp_path)) == str(tmp_path)
-    with pytest.raises(FileNotFoundError, match="no hub"):
+    with pytest.raises(FileNotFoundError, match="no model directory .* a Hub id ORG/NAME"):
         resolve_model_dir("meta-llama/Llama-3.1-8B")
 
 

@@ -46,7 +46,7 @@ def test_reports_merge_losslessly_while_the_reader_is_behind():
             sent[rid].append(token)
             text[rid] += f"<{token}>"
             finish = "length" if rid == 3 and step == 1999 else None
-            outputs.append(RequestOutput(rid, [token], f"<{token}>", finish, None, 4, 0))
+            outputs.append(RequestOutput(rid, [token], f"<{token}>", finish, None, num_cached_tokens=0))
         outbox.put_report(StepReport([rid for rid in (1, 2, 3) if step == 0], outputs,
                                      [3] if step == 1999 else [], EngineStats(step=step)))
     outbox.put_control(Pong(7, EngineStats(step=num_reports)))

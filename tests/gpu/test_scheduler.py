@@ -29,6 +29,8 @@ def run_step(scheduler: Scheduler, budget: int, max_seqs: int) -> list[Sequence]
     for seq, n in batch.entries:
         assert seq.status is SequenceStatus.RUNNING
         assert len(seq.block_table) * scheduler.block_manager.block_size >= seq.num_computed_tokens + n
+    assert batch.sampling == [seq for seq, n in batch.entries if seq.num_computed_tokens + n == seq.num_tokens], \
+        "exactly the entries that reach their last token sample, in entry order"
     appended = scheduler.commit(batch, [7] * len(batch.sampling))
     scheduler.block_manager.check_invariants()
     finished = [seq for seq in appended if seq.is_finished]

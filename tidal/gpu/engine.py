@@ -1,12 +1,17 @@
 """The engine: requests in, one step at a time, outputs out. No I/O here.
 
-``step()`` tells the whole story of one iteration::
+One step is::
 
     batch  = scheduler.schedule()              # who runs, how many tokens each
     tokens = forward(batch)                    # one pass over the paged cache, one token per sampler
+                                               # (logprobs captured and grammar masks applied here)
     apply_late_aborts()                        # the abort window: aborts that arrived mid-forward
     scheduler.commit(batch, tokens)            # append, check stops, free what finished
     emit(...)                                  # detokenize, one RequestOutput per new token
+
+The forward pass runs on its own thread, and ``step()`` launches the next step's forward
+right after the commit, before emitting: building and sending one step's outputs overlaps
+the next step's pass, and only abort window + commit + schedule run between two passes.
 
 Outputs, first-schedule events and finished ids collect in a pending report that the
 process loop sends after each step (``take_report``).
@@ -18,16 +23,22 @@ import collections
 import itertools
 import logging
 import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer
 
 from tidal.gpu.block_manager import BlockManager
 from tidal.gpu.detokenizer import IncrementalDetokenizer
+from tidal.gpu.grammar import Grammars
+from tidal.gpu.logprobs import CapturedLogprobs
 from tidal.gpu.model_runner import ModelRunner
-from tidal.gpu.sampler import Sampler, make_generator
+from tidal.gpu.sampler import Sampler, SamplingBatch, make_generator
 from tidal.gpu.scheduler import ScheduledBatch, Scheduler
-from tidal.gpu.sequence import Sequence
-from tidal.wire import AddRequest, FinishReason, EngineConfig, EngineStats, Ready, RequestOutput, StepReport
+from tidal.gpu.sequence import Sequence, SequenceStatus
+from tidal.wire import (AddRequest, EngineConfig, EngineStats, FinishReason, Logprobs, Ready, RequestOutput,
+                        StepReport)
 
 log = logging.getLogger("tidal.engine")
 
@@ -48,6 +59,9 @@ class Engine:
             by_priority=config.scheduling_policy == "priority",
         )
         self.sampler = Sampler()
+        self._forks: dict[int, list[Sequence]] = {}  # parent request id -> choices waiting for its prefill
+        self.grammars = Grammars(self.runner.model_dir, self.runner.model_config.vocab_size,
+                                 sorted(self.eos_token_ids))
         self.sequences: dict[int, Sequence] = {}
         self.num_steps = 0
         self._arrivals = itertools.count()
@@ -58,6 +72,13 @@ class Engine:
         # ids whose abort arrived while a forward pass ran: the pipe reader thread appends
         # them (deque appends are thread-safe) and the step applies them in its abort window
         self.late_aborts: collections.deque[list[int]] = collections.deque()
+        # the forward pass runs on its own thread (torch ops release the GIL, and so does the
+        # test model's sleep), overlapping the step loop's own work; at most one is in flight
+        self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="tidal-forward")
+        self._in_flight: InFlight | None = None
+        self.min_step_time = config.min_step_time
+        self._sampling_rows: list[int] = []  # the forward thread's persistent sampling batch
+        self._sampling = SamplingBatch([], [], [], [])
 
     def ready_message(self) -> Ready:
         mc = self.runner.model_config
@@ -100,46 +121,120 @@ class Engine:
             # the frontend validates this; the engine still never runs an impossible request
             self._finish(seq, "length")
             return
-        self.scheduler.add(seq)
+        parent = self.sequences.get(msg.fork_of) if msg.fork_of is not None else None
+        if params.structured is not None:
+            self.grammars.submit(seq)  # compiles off the step loop; scheduled once ready
+        elif parent is not None and not parent.output_token_ids:
+            # another choice of the same prompt (n > 1): wait for the parent's prefill, then take
+            # the prompt's full blocks from the prefix cache instead of computing them again
+            self._forks.setdefault(parent.request_id, []).append(seq)
+        else:
+            self.scheduler.add(seq)
         self._dirty = True
 
+    def _release_forks(self, parent_id: int) -> None:
+        for seq in self._forks.pop(parent_id, ()):
+            self.scheduler.add(seq)
+
     def abort(self, request_ids: list[int]) -> None:
-        """Free the requests' KV blocks now. Unknown or finished ids are a no-op."""
+        """Free the requests' KV blocks now. Unknown or finished ids are a no-op.
+
+        A forward pass in flight may still write the blocks: wait for it to end first (its
+        tokens for the aborted requests are then dropped by the commit).
+        """
+        if self._in_flight is not None:
+            self._in_flight.tokens.result()
         for request_id in request_ids:
             seq = self.sequences.get(request_id)
             if seq is not None:
                 self._finish(seq, "abort", emit_output=False)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._in_flight is not None or self.scheduler.has_work() or self.grammars.num_waiting > 0
+
+    def _schedule_compiled(self) -> None:
+        """Requests whose grammar finished compiling join the scheduler (or are refused)."""
+        for seq, error in self.grammars.take_ready():
+            if error is None:
+                self.scheduler.add(seq)
+            else:
+                self._finish(seq, "abort", error=error)
 
     # ------------------------------------------------------------------ the step
 
-    @torch.inference_mode()
     def step(self) -> bool:
-        """Run one iteration. False if nothing could be scheduled (waiting for blocks)."""
-        batch = self.scheduler.schedule()
-        self._started.extend(seq.request_id for seq in batch.started)
-        if not batch:
-            return False
-        self.num_steps += 1
-        tokens = self._forward(batch)
+        """Book the forward pass in flight and start the next one. False if none could start.
+
+        One step is schedule -> forward -> abort window -> commit; the next step's schedule
+        and launch come right after the commit, so its forward pass runs while this step's
+        outputs are detokenized and reported (and while the process loop sends them).
+        """
+        if self._in_flight is None:
+            self._in_flight = self._launch()
+            if self._in_flight is None:
+                return False  # nothing fits right now (waiting for blocks)
+        batch, (tokens, logprobs) = self._in_flight.batch, self._in_flight.tokens.result()
         self._apply_late_aborts()  # the abort window: the pass is over, its outputs not yet booked
-        for seq in self.scheduler.commit(batch, tokens):
-            self._emit(seq)
+        appended = self.scheduler.commit(batch, tokens)
+        for seq in appended:  # before the next launch: its masks need the matchers advanced
+            if len(seq.output_token_ids) == 1 and seq.request_id in self._forks:
+                self._release_forks(seq.request_id)  # its prompt blocks are in the prefix cache now
+            if seq.params.structured is not None and self.grammars.accept(seq, seq.output_token_ids[-1]) \
+                    and seq.finish_reason is None:
+                self.scheduler.finish(seq, "stop")  # complete: it took a stop token under ignore_eos
+        self.num_steps += 1
+        self._in_flight = self._launch()  # the next step's forward starts now ...
+        for seq in appended:  # ... and runs while this one's outputs are built
+            self._emit(seq, logprobs.get(seq.request_id))
         self._dirty = True
         return True
 
-    def _forward(self, batch: ScheduledBatch) -> list[int]:
-        """One forward pass and one sampled token per ``batch.sampling`` sequence."""
-        logits, sampling = self.runner.execute(batch.entries)
-        return self.sampler.sample(
-            logits,
-            [seq.params for seq in sampling],
-            [seq.output_token_ids for seq in sampling],
-            [seq.prompt_token_ids for seq in sampling],
-            [seq.generator for seq in sampling],
-        )
+    def _launch(self) -> InFlight | None:
+        """Schedule a batch and start its forward pass on the forward thread."""
+        self._schedule_compiled()
+        batch = self.scheduler.schedule()
+        self._started.extend(seq.request_id for seq in batch.started)
+        if batch.started:
+            self._dirty = True
+        if not batch:
+            return None
+        return InFlight(batch, self._forward_thread.submit(self._forward, batch, time.monotonic()))
+
+    @torch.inference_mode()
+    def _forward(self, batch: ScheduledBatch, launched_at: float) -> tuple[list[int], dict[int, Logprobs]]:
+        """The device's share of a step: one forward pass, one sampled token per ``batch.sampling``,
+        and the logprobs of the sequences that asked (request id -> one token's), taken before
+        the grammar mask and the sampler edit the logits.
+
+        Runs on the forward thread; reads the batch's sequences, changes nothing the step
+        loop reads. With ``min_step_time`` (the test model) it lasts at least that long from
+        its launch.
+        """
+        logits = self.runner.execute(batch.entries)
+        sampling = self._sampling_batch(batch.sampling)
+        captured = CapturedLogprobs.capture(logits, sampling.params)  # None when no row asks
+        self.grammars.apply_mask(logits, batch.sampling)  # constrained rows only
+        tokens = self.sampler.sample_batch(logits, sampling)
+        logprobs = {} if captured is None else {
+            batch.sampling[i].request_id: lp for i, lp in captured.for_tokens(tokens).items()}
+        if self.min_step_time:
+            remaining = self.min_step_time - (time.monotonic() - launched_at)
+            if remaining > 0:
+                time.sleep(remaining)
+        return tokens, logprobs
+
+    def _sampling_batch(self, sampling: list[Sequence]) -> SamplingBatch:
+        """The sampler's per-row inputs, rebuilt only when the sampling sequences change."""
+        rows = [seq.request_id for seq in sampling]
+        if rows != self._sampling_rows:
+            self._sampling_rows = rows
+            self._sampling = SamplingBatch(
+                [seq.params for seq in sampling],
+                [seq.output_token_ids for seq in sampling],
+                [seq.prompt_token_ids for seq in sampling],
+                [seq.generator for seq in sampling],
+            )
+        return self._sampling
 
     def _apply_late_aborts(self) -> None:
         """Abort the requests whose abort arrived while the forward pass ran.
@@ -150,7 +245,7 @@ class Engine:
         while self.late_aborts:
             self.abort(self.late_aborts.popleft())
 
-    def _emit(self, seq: Sequence) -> None:
+    def _emit(self, seq: Sequence, logprobs: Logprobs | None = None) -> None:
         """The output of a sequence that got a token this step."""
         self._outputs.append(RequestOutput(
             request_id=seq.request_id,
@@ -158,21 +253,35 @@ class Engine:
             text=seq.take_text(),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            logprobs=logprobs,
         ))
         if seq.finish_reason is not None:
             self._forget(seq)
 
-    def _finish(self, seq: Sequence, reason: FinishReason, emit_output: bool = True) -> None:
-        self.scheduler.finish(seq, reason)
+    def _finish(self, seq: Sequence, reason: FinishReason, emit_output: bool = True,
+                error: str | None = None) -> None:
+        if self.grammars.discard(seq.request_id) or self._unpark(seq):  # never reached the scheduler
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        else:
+            self.scheduler.finish(seq, reason)
         if emit_output:
             self._outputs.append(RequestOutput(
                 request_id=seq.request_id, token_ids=[], text="", finish_reason=reason,
-                num_prompt_tokens=seq.num_prompt_tokens))
+                error=error))
         self._forget(seq)
 
+    def _unpark(self, seq: Sequence) -> bool:
+        """Take a choice out of its parent's waiting forks; True if it was waiting there."""
+        for forks in self._forks.values():
+            if seq in forks:
+                forks.remove(seq)
+                return True
+        return False
+
     def _forget(self, seq: Sequence) -> None:
+        self.grammars.discard(seq.request_id)
+        self._release_forks(seq.request_id)  # a parent that ended before its first token
         del self.sequences[seq.request_id]
         self._finished.append(seq.request_id)
         self._dirty = True
@@ -203,3 +312,12 @@ class Engine:
 
     def abort_all(self) -> None:
         self.abort(list(self.sequences))
+        self._in_flight = None  # its sequences are all gone
+
+
+@dataclass
+class InFlight:
+    """A scheduled batch whose forward pass runs on the forward thread."""
+
+    batch: ScheduledBatch
+    tokens: Future[tuple[list[int], dict[int, Logprobs]]]  # and the logprobs of the rows that asked

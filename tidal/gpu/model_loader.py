@@ -1,7 +1,8 @@
 """Find a model directory and load it into tidal's model classes.
 
-tidal loads local Hugging Face directories only (``config.json`` + ``model.safetensors`` or a
-sharded ``model.safetensors.index.json``); there is no hub download. The name
+The engine loads local Hugging Face directories only (``config.json`` + ``model.safetensors`` or
+a sharded ``model.safetensors.index.json``): a Hub id was already turned into its local snapshot by
+the frontend (``tidal/hub.py``) before this process started, so the engine never downloads. The name
 ``tidal-tiny`` is the packaged default model, whose weights are generated on load.
 """
 
@@ -29,8 +30,8 @@ def resolve_model_dir(name: str) -> str:
     if os.path.isdir(path):
         return path
     raise FileNotFoundError(
-        f"no model directory {name!r}; tidal loads local Hugging Face directories only, no hub "
-        f"(or use the built-in {TINY_MODEL_NAME!r})"
+        f"no model directory {name!r}; give a local Hugging Face directory, a Hub id ORG/NAME "
+        f"or the built-in {TINY_MODEL_NAME!r}"
     )
 
 

@@ -8,7 +8,6 @@ in ``tidal.gpu.attention.select_attention_backend``.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
@@ -24,9 +23,12 @@ from tidal.wire import EngineConfig
 log = logging.getLogger("tidal.engine")
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, data_parallel_rank: int = 0) -> torch.device:
+    """``auto`` and ``cuda`` give data-parallel replica k the k-th GPU (wrapping); ``cuda:N`` is as given."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", data_parallel_rank % torch.cuda.device_count())
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
@@ -36,7 +38,7 @@ def resolve_device(name: str) -> torch.device:
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, config.data_parallel_rank)
         self.dtype, self.dtype_reason = resolve_dtype(config.dtype, self.device)
         log.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), self.dtype_reason)
         self.model_dir = resolve_model_dir(config.model)
@@ -67,50 +69,46 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(mc.num_layers)
         ]
-        self.min_step_time = config.min_step_time
 
     @torch.inference_mode()
-    def execute(self, entries: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one forward pass; return the logits of the sequences that sample this step."""
-        started = time.monotonic()
-        batch, sampling = self._prepare(entries)
+    def execute(self, entries: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Run one forward pass; return the logits of the sequences that sample this step
+        (those whose chunk reaches their last token, in entry order)."""
+        batch = self._prepare(entries)
         hidden = self.model(batch, self.kv_caches)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        if self.min_step_time:
-            remaining = self.min_step_time - (time.monotonic() - started)
-            if remaining > 0:
-                time.sleep(remaining)  # the test model: a forward pass of fixed length
-        return logits, sampling
+        return self.model.compute_logits(hidden[batch.logits_indices])
 
-    def _prepare(self, entries: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
+    def _prepare(self, entries: list[tuple[Sequence, int]]) -> ForwardBatch:
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
-        sampling: list[Sequence] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
+        num_decodes = 0
+        for _, num_new in entries:  # the leading one-token entries are the decodes
+            if num_new != 1:
+                break
+            num_decodes += 1
+        decodes = entries[:num_decodes]
+        # decodes, one row each (the sequence's one uncomputed token), in flat loops
+        positions = [seq.num_computed_tokens for seq, _ in decodes]
+        input_ids = [seq.token_ids[p] for (seq, _), p in zip(decodes, positions)]
+        decode_tables = [seq.block_table for seq, _ in decodes]
+        slots = [table[p // bs] * bs + p % bs for table, p in zip(decode_tables, positions)]
+        decode_lens = [p + 1 for p in positions]
+        # the chunk reaches the end: sample the next token
+        logits_rows = [i for i, ((seq, _), n) in enumerate(zip(decodes, decode_lens)) if n == len(seq.token_ids)]
         prefill_tables: list[list[int]] = []
         q_lens: list[int] = []
         seq_lens: list[int] = []
-        for seq, num_new in entries:
+        for seq, num_new in entries[num_decodes:]:
             start = seq.num_computed_tokens
             end = start + num_new
             table = seq.block_table
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if end == seq.num_tokens:  # the chunk reaches the end: sample the next token
+            if end == seq.num_tokens:
                 logits_rows.append(len(input_ids) - 1)
-                sampling.append(seq)
-            if num_new == 1 and not prefill_tables:
-                decode_tables.append(table)
-                decode_lens.append(end)
-            else:
-                prefill_tables.append(table)
-                q_lens.append(num_new)
-                seq_lens.append(end)
+            prefill_tables.append(table)
+            q_lens.append(num_new)
+            seq_lens.append(end)
         dev = self.device
         q_start = [0]
         for n in q_lens:
@@ -130,7 +128,7 @@ class ModelRunner:
             prefill_block_tables=_pad_tables(prefill_tables, dev),
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
         )
-        return batch, sampling
+        return batch
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -41,6 +41,33 @@ def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < MIN_TEMPERATURE or params.top_k == 1
 
 
+class SamplingBatch:
+    """The per-row inputs of one batch composition, sorted once, reused while the rows stay the same.
+
+    The engine keeps one for as long as the same sequences sample in the same order (a
+    steady decode batch); token lists are held by reference, so they stay current.
+    """
+
+    def __init__(
+        self,
+        params: list[SamplingParams],
+        output_token_ids: list[list[int]],
+        prompt_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+    ):
+        self.params = params
+        self.output_token_ids = output_token_ids
+        self.prompt_token_ids = prompt_token_ids
+        self.generators = generators
+        self.sampled_rows = [i for i, p in enumerate(params) if not _is_greedy(p)]  # the rest: argmax
+        self.penalised = any(
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            for p in params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
 class Sampler:
     """Stateless: every per-request input arrives with each call."""
 
@@ -57,12 +84,16 @@ class Sampler:
         ``logits`` is scratch: it is modified in place (penalties, temperature, filtering),
         which saves copying an [N, V] tensor on every step.
         """
+        return self.sample_batch(logits, SamplingBatch(params, output_token_ids, prompt_token_ids, generators))
+
+    def sample_batch(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
+        """``sample`` with the per-row inputs already sorted: the one place logits become tokens."""
         num_rows = logits.shape[0]
         if num_rows == 0:
             return []
-        apply_penalties(logits, params, output_token_ids, prompt_token_ids)
-
-        sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
+        params, generators, sampled = batch.params, batch.generators, batch.sampled_rows
+        if batch.penalised:
+            apply_penalties(logits, params, batch.output_token_ids, batch.prompt_token_ids)
         if not sampled:
             return logits.argmax(dim=-1).tolist()
         if len(sampled) == num_rows:

@@ -72,7 +72,7 @@ class Scheduler:
         """Take a sequence out (finished or aborted) and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:  # else: never added
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
@@ -88,8 +88,7 @@ class Scheduler:
         return seq.sort_key(self.by_priority)
 
     def _insert(self, queue: list[Sequence], seq: Sequence) -> None:
-        keys = [self._key(s) for s in queue]
-        queue.insert(bisect.bisect(keys, self._key(seq)), seq)
+        bisect.insort(queue, seq, key=self._key)
 
     # ------------------------------------------------------------------ scheduling
 
@@ -97,26 +96,39 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         blocks = self.block_manager
-        decodes: list[tuple[Sequence, int]] = []
+        decodes: list[tuple[Sequence, int]] = []  # one-token entries
         prefills: list[tuple[Sequence, int]] = []
+        # the entries that reach their sequence's last token (and so sample), in entry order
+        decodes_sampling: list[Sequence] = []
+        prefills_sampling: list[Sequence] = []
 
         # 1. running sequences, most urgent first
+        block_size = blocks.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            while not blocks.can_allocate(seq, num_new):
-                victim = self.running[-1]
-                self._preempt(victim, batch)
-                if victim is seq:
-                    break
+            uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            num_new = min(uncomputed, budget)
+            if seq.num_computed_tokens + num_new > len(seq.block_table) * block_size:
+                # not the common decode whose last block has room: allocate, or preempt
+                while not blocks.can_allocate(seq, num_new):
+                    victim = self.running[-1]
+                    self._preempt(victim, batch)
+                    if victim is seq:
+                        break
+                else:
+                    blocks.allocate(seq, num_new)
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue  # seq itself was preempted; self.running shrank, do not advance i
+            if uncomputed == 1:
+                decodes.append((seq, 1))
+                decodes_sampling.append(seq)
             else:
-                blocks.allocate(seq, num_new)
-                (decodes if seq.num_uncomputed_tokens == 1 else prefills).append((seq, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            # seq itself was preempted; self.running shrank, do not advance i
+                prefills.append((seq, num_new))
+                if num_new == uncomputed:
+                    prefills_sampling.append(seq)
+            budget -= num_new
+            i += 1
 
         # 2. waiting sequences, in policy order
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -132,11 +144,19 @@ class Scheduler:
             if not seq.started:
                 seq.started = True
                 batch.started.append(seq)
-            (decodes if num_new == 1 else prefills).append((seq, num_new))
+            samples = seq.num_computed_tokens + num_new == seq.num_tokens
+            if num_new == 1:
+                decodes.append((seq, 1))
+                if samples:
+                    decodes_sampling.append(seq)
+            else:
+                prefills.append((seq, num_new))
+                if samples:
+                    prefills_sampling.append(seq)
             budget -= num_new
 
         batch.entries = decodes + prefills
-        batch.sampling = [seq for seq, n in batch.entries if seq.num_computed_tokens + n == seq.num_tokens]
+        batch.sampling = decodes_sampling + prefills_sampling
         return batch
 
     # ------------------------------------------------------------------ after the forward pass
@@ -149,13 +169,16 @@ class Scheduler:
         token, in order; those that finished with it have ``finish_reason`` set and are out.
         """
         blocks = self.block_manager
+        block_size = blocks.block_size
+        finished = SequenceStatus.FINISHED
         for seq, num_new in batch.entries:
-            if not seq.is_finished:
+            if seq.status is not finished:
                 seq.num_computed_tokens += num_new
-                blocks.register_full_blocks(seq)
+                if seq.num_computed_tokens // block_size > len(seq.block_hashes):  # a block filled up
+                    blocks.register_full_blocks(seq)
         appended = []
         for seq, token_id in zip(batch.sampling, tokens, strict=True):
-            if seq.is_finished:
+            if seq.status is finished:
                 continue
             reason = seq.append_token(token_id)
             if reason is not None:

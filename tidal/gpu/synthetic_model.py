@@ -23,12 +23,17 @@ class SyntheticModel:
         self.config = config
         self.device = device
         self._span = config.vocab_size - _FIRST_PLAIN_TOKEN
+        # logits rows reused across steps: a fresh [N, V] tensor each step costs more in page
+        # faults than the whole step's engine work (the sampler treats logits as scratch anyway)
+        self._logits = torch.zeros(0, config.vocab_size, dtype=torch.float32, device=device)
 
     def __call__(self, batch: ForwardBatch, kv_caches) -> torch.Tensor:
         return batch.input_ids  # "hidden state": the input token of each row
 
     def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
         next_ids = (rows * 7919 + 17) % self._span + _FIRST_PLAIN_TOKEN
-        logits = torch.zeros(rows.shape[0], self.config.vocab_size, dtype=torch.float32, device=self.device)
+        if self._logits.shape[0] < rows.shape[0]:
+            self._logits = torch.zeros(rows.shape[0], self.config.vocab_size, dtype=torch.float32, device=self.device)
+        logits = self._logits[: rows.shape[0]].zero_()
         logits.scatter_(1, next_ids[:, None], 100.0)  # a sure winner even at temperature 2
         return logits

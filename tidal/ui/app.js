@@ -1,0 +1,285 @@
+// tidal's chat page: one WebSocket to /v1/ws (protocol: docs/websocket.md) and a poll of /state.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const STATE_POLL_MS = 500;
+const BUILT_IN_MODELS = { "tidal-tiny": "has random weights", "tidal-test": "is a timing model with no network" };
+
+const conversation = [];   // the {role, content} turns sent with every request
+let socket = null;         // the open (or opening) WebSocket
+let socketOpen = null;     // a promise of it being open
+let answer = null;         // the answer streaming now: {id, body, el, text, sentAt, firstAt, lastAt, chunks}
+let retryBody = null;      // a request refused for want of an API key, resent once a key is given
+let nextId = 1;
+let apiKey = sessionStorage.getItem("tidal-api-key") || "";
+
+// ------------------------------------------------------------------ the connection
+
+function base64url(text) {
+  let binary = "";
+  for (const byte of new TextEncoder().encode(text)) binary += String.fromCharCode(byte);
+  return btoa(binary).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+}
+
+function connect() {
+  if (socket) return socketOpen;
+  const url = (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/ws";
+  // A browser cannot send an Authorization header on a WebSocket: the key rides in a subprotocol.
+  const protocols = apiKey ? ["tidal", "tidal.bearer." + base64url(apiKey)] : ["tidal"];
+  const ws = socket = new WebSocket(url, protocols);
+  socketOpen = new Promise((resolve, reject) => {
+    ws.onopen = () => { setConnection("connected"); resolve(ws); };
+    ws.onerror = () => reject(new Error("cannot connect to " + url));
+  });
+  ws.onmessage = (event) => onMessage(JSON.parse(event.data));
+  ws.onclose = () => {
+    if (socket === ws) socket = null;
+    setConnection("not connected");
+    if (answer) endAnswer("error", "The connection to the server closed mid-answer.");
+  };
+  return socketOpen;
+}
+
+function setConnection(text) {
+  $("connection").textContent = text;
+  $("connection").classList.toggle("connected", text === "connected");
+}
+
+function onMessage(message) {
+  if (message.type === "error" && message.id === null) return onConnectionError(message);
+  if (!answer || message.id !== answer.id) return;  // a late message of an earlier answer
+  if (message.type === "chunk") {
+    const choice = message.data.choices[0];
+    const text = (choice.delta && choice.delta.content) || choice.text || "";
+    const now = performance.now();
+    if (answer.firstAt === null) answer.firstAt = now;
+    answer.lastAt = now;
+    answer.chunks += 1;
+    answer.text += text;
+    answer.el.querySelector(".text").textContent = answer.text;
+    showStats(null);
+    scrollDown();
+  } else if (message.type === "done") {
+    if (message.cancelled) {
+      endAnswer("stopped", "Stopped. The server aborted the request and freed its KV cache blocks.");
+    } else {
+      endAnswer("done", null, message.usage);
+    }
+  } else if (message.type === "error") {
+    endAnswer("error", describeError(message));
+  }
+}
+
+function onConnectionError(message) {
+  if (message.status === 401) {
+    askForKey(apiKey ? "The server refused this API key. Enter the right one:"
+                     : "This server needs an API key (it runs with --api-key).");
+    if (answer) {
+      retryBody = answer.body;
+      endAnswer("error", "401: the server needs an API key. Enter it in the panel on the right; " +
+                         "the message is sent again.");
+    }
+  } else if (answer) {
+    endAnswer("error", describeError(message));
+  }
+}
+
+function describeError(message) {
+  const text = message.error ? message.error.message : "unknown error";
+  if (message.status === 503) {
+    const wait = message.retry_after ? ` Retry after ${message.retry_after} s.` : " Try again shortly.";
+    return `Server busy (503): ${text}${wait}`;
+  }
+  return `Error ${message.status}: ${text}`;
+}
+
+// ------------------------------------------------------------------ one answer
+
+async function send(body) {
+  const el = addMessage("assistant", "");
+  el.classList.add("streaming");
+  answer = { id: "ui-" + nextId++, body, el, text: "", sentAt: performance.now(), firstAt: null, lastAt: null,
+             chunks: 0 };
+  $("send").disabled = true;
+  $("stop").disabled = false;
+  try {
+    const ws = await connect();
+    ws.send(JSON.stringify({ type: "request", id: answer.id, endpoint: "chat.completions", body }));
+  } catch (error) {
+    endAnswer("error", "Cannot reach the server: " + error.message);
+  }
+}
+
+function stop() {
+  if (!answer || !socket) return;
+  socket.send(JSON.stringify({ type: "cancel", id: answer.id }));
+  $("stop").disabled = true;
+  notice(answer.el, "stopped", "Stopping...");
+}
+
+function endAnswer(how, text, usage) {
+  const current = answer;
+  answer = null;
+  current.el.classList.remove("streaming");
+  const stillShown = current.el.isConnected;  // false once "New chat" cleared it mid-stream
+  if (how === "error") {
+    if (stillShown) conversation.pop();  // the question got no answer: it leaves the conversation
+    current.el.classList.add("failed");
+  } else if (stillShown) {
+    conversation.push({ role: "assistant", content: current.text });
+  }
+  if (text) notice(current.el, how, text);
+  else current.el.querySelector(".answer-notice")?.remove();
+  if (current.firstAt !== null) showStats(usage, current);
+  $("send").disabled = false;
+  $("stop").disabled = true;
+}
+
+function showStats(usage, which = answer) {
+  const ttft = which.firstAt - which.sentAt;
+  // with usage: the server's token count; while streaming or when stopped: one token per chunk
+  const tokens = usage ? usage.completion_tokens : which.chunks;
+  const seconds = (which.lastAt - which.firstAt) / 1000;
+  const rate = tokens > 1 && seconds > 0 ? ((tokens - 1) / seconds).toFixed(1) + " tokens/s" : "";
+  const parts = [`TTFT ${Math.round(ttft)} ms`, `${usage ? "" : "~"}${tokens} tokens`, rate];
+  let stats = which.el.querySelector(".answer-stats");
+  if (!stats) {
+    stats = document.createElement("div");
+    stats.className = "answer-stats";
+    which.el.appendChild(stats);
+  }
+  stats.textContent = parts.filter(Boolean).join(" · ");
+}
+
+// ------------------------------------------------------------------ the page
+
+function addMessage(role, text) {
+  const li = document.createElement("li");
+  li.className = "message " + role;
+  const body = document.createElement("div");
+  body.className = "text";
+  body.textContent = text;
+  li.appendChild(body);
+  $("messages").appendChild(li);
+  scrollDown();
+  return li;
+}
+
+function notice(el, kind, text) {
+  let box = el.querySelector(".answer-notice");
+  if (!box) {
+    box = document.createElement("div");
+    el.appendChild(box);
+  }
+  box.className = "answer-notice " + kind;
+  box.textContent = text;
+}
+
+function scrollDown() {
+  const list = $("messages");
+  list.scrollTop = list.scrollHeight;
+}
+
+function requestBody() {
+  const body = { messages: conversation.slice(), max_tokens: parseInt($("max-tokens").value, 10) || 256,
+                 temperature: parseFloat($("temperature").value) };
+  if (Number.isNaN(body.temperature)) delete body.temperature;
+  const seed = $("seed").value.trim();
+  if (seed !== "") body.seed = parseInt(seed, 10);
+  return body;
+}
+
+function submit(event) {
+  event.preventDefault();
+  const text = $("prompt").value;
+  if (!text.trim() || answer) return;
+  $("prompt").value = "";
+  addMessage("user", text);
+  conversation.push({ role: "user", content: text });
+  send(requestBody());
+}
+
+function askForKey(why) {
+  $("key-why").textContent = why;
+  $("key-card").hidden = false;
+  $("api-key").focus();
+}
+
+function useKey(event) {
+  event.preventDefault();
+  apiKey = $("api-key").value.trim();
+  sessionStorage.setItem("tidal-api-key", apiKey);
+  $("key-card").hidden = true;
+  if (socket) socket.close();
+  socket = null;
+  if (retryBody && !answer) {
+    const body = retryBody;
+    retryBody = null;
+    conversation.push(body.messages[body.messages.length - 1]);
+    send(body);
+  }
+}
+
+// ------------------------------------------------------------------ the server panel
+
+function reasons(list, counts) {
+  list.replaceChildren();
+  const nonzero = Object.entries(counts).filter(([, n]) => n > 0);
+  if (!nonzero.length) {
+    const li = document.createElement("li");
+    li.className = "muted";
+    li.textContent = "none";
+    list.appendChild(li);
+  }
+  for (const [reason, count] of nonzero) {
+    const li = document.createElement("li");
+    li.dataset.reason = reason;
+    li.innerHTML = "<span></span><span></span>";
+    li.firstChild.textContent = reason;
+    li.lastChild.textContent = count;
+    list.appendChild(li);
+  }
+}
+
+let modelShown = false;
+
+async function pollState() {
+  try {
+    const response = await fetch("/state", { cache: "no-store" });
+    const state = await response.json();
+    $("state-running").textContent = state.requests_running;
+    $("state-waiting").textContent = state.requests_waiting;
+    const percent = (state.kv_usage * 100).toFixed(1);
+    $("state-kv").textContent = `${state.kv_blocks_used} / ${state.kv_blocks_total} blocks (${percent}%)`;
+    $("state-kv-bar").style.width = percent + "%";
+    reasons($("state-aborted"), state.aborted_last_minute);
+    reasons($("state-rejected"), state.rejected_last_minute);
+    $("state-status").textContent = "";
+    if (!modelShown) {
+      modelShown = true;
+      $("model").textContent = state.model;
+      const why = BUILT_IN_MODELS[state.model];
+      if (why) {
+        $("model-note").hidden = false;
+        $("model-note").textContent = `${state.model} ${why}: its answers are word salad. ` +
+          "Serve a real model with: tidal serve --model /path/to/hf-model-dir";
+      }
+    }
+  } catch (error) {
+    $("state-status").textContent = "(unreachable)";
+  }
+  setTimeout(pollState, STATE_POLL_MS);
+}
+
+$("composer").addEventListener("submit", submit);
+$("prompt").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey) submit(event);
+});
+$("stop").addEventListener("click", stop);
+$("clear").addEventListener("click", () => {
+  if (answer) stop();
+  conversation.length = 0;
+  $("messages").replaceChildren();
+});
+$("key-form").addEventListener("submit", useKey);
+pollState();
