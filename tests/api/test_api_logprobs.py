@@ -29,7 +29,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    with LiveServer("--model", model_dir, "--served-model-name", "m", "--num-kv-blocks", "64") as s:
+    # float32 explicitly: --dtype auto is bf16 on CPUs with native bf16, and the values are compared exactly
+    with LiveServer("--model", model_dir, "--served-model-name", "m", "--num-kv-blocks", "64",
+                    "--dtype", "float32") as s:
         yield s
 
 
