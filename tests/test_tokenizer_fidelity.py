@@ -137,7 +137,8 @@ def test_a_served_qwen2_model_answers_as_transformers_generate(tmp_path):
     messages = MESSAGES[0]
     chat_prompt_ids = chat_ids(auto, messages)
     body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
-    with LiveServer("--model", model_dir, "--max-model-len", "512") as server:
+    # float32: greedy text is compared with transformers' float32 generate (auto is bf16 on CPUs with native bf16)
+    with LiveServer("--model", model_dir, "--max-model-len", "512", "--dtype", "float32") as server:
         completion = httpx.post(server.url + "/v1/completions", json={"prompt": text, **body}, timeout=60).json()
         chat = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, **body}, timeout=60).json()
     assert completion["usage"]["prompt_tokens"] == len(prompt_ids)
