@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -141,8 +142,6 @@ class LiveServer:
 
 def start_all(servers: list[LiveServer]) -> None:
     """Start servers side by side: most of a start is waiting on another process's imports."""
-    import threading
-
     errors: list[BaseException] = []
 
     def start(server: LiveServer) -> None:
@@ -168,3 +167,43 @@ def stop_all(servers: list[LiveServer]) -> None:
             server.process.send_signal(signal.SIGTERM)
     for server in servers:
         server.stop()
+
+
+class ServerPool:
+    """Servers with different flags, all started at once in threads the first time any is needed.
+
+    A ``tidal serve`` start is mostly waiting on another process's imports, so side-by-side starts
+    cost little more than one. ``get`` waits only for the server asked for.
+    """
+
+    def __init__(self, flags: dict[str, tuple[str, ...]], server_class: type[LiveServer] = LiveServer):
+        self.server_class = server_class
+        self.servers = {name: server_class(*args) for name, args in flags.items()}
+        self.errors: dict[str, BaseException] = {}
+        self.threads = {name: threading.Thread(target=self._start, args=(name,), daemon=True) for name in flags}
+        for thread in self.threads.values():
+            thread.start()
+
+    def _start(self, name: str) -> None:
+        try:
+            self.servers[name].start()
+        except BaseException as exc:  # handed to the test that needs this server
+            self.errors[name] = exc
+
+    def get(self, name: str) -> LiveServer:
+        self.threads[name].join()
+        if name in self.errors:
+            raise RuntimeError(f"{name} did not start") from self.errors[name]
+        server = self.servers[name]
+        if server.process.poll() is not None:
+            # Pooled servers idle until their test; one with a 2 s engine heartbeat can be declared
+            # dead while a loaded host starves it. The test needs a live one: start it again.
+            server.stop()
+            server = self.servers[name] = self.server_class(*server.args)
+            server.start()
+        return server
+
+    def stop_all(self) -> None:
+        for thread in self.threads.values():
+            thread.join()
+        stop_all(list(self.servers.values()))

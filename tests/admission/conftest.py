@@ -8,37 +8,8 @@ waits only for its own server, and stops it when it is done.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-from live_server import LiveServer
-
-
-class ServerPool:
-    def __init__(self, flags: dict[str, tuple[str, ...]]):
-        self.servers = {name: LiveServer(*args) for name, args in flags.items()}
-        self.errors: dict[str, BaseException] = {}
-        self.threads = {name: threading.Thread(target=self._start, args=(name,), daemon=True) for name in flags}
-        for thread in self.threads.values():
-            thread.start()
-
-    def _start(self, name: str) -> None:
-        try:
-            self.servers[name].start()
-        except BaseException as exc:  # handed to the module that needs this server
-            self.errors[name] = exc
-
-    def get(self, name: str) -> LiveServer:
-        self.threads[name].join()
-        if name in self.errors:
-            raise RuntimeError(f"the server of {name} did not start") from self.errors[name]
-        return self.servers[name]
-
-    def stop_all(self) -> None:
-        for thread in self.threads.values():
-            thread.join()
-        for server in self.servers.values():
-            server.stop()
+from live_server import LiveServer, ServerPool
 
 
 @pytest.fixture(scope="session")

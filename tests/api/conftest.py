@@ -10,6 +10,7 @@ three running plus one queued request, so WebSocket tests can act mid-stream and
 
 from __future__ import annotations
 
+import openai
 import pytest
 from live_server import LiveServer, start_all, stop_all
 
@@ -54,3 +55,10 @@ def api_server(_servers):
 @pytest.fixture(scope="package")
 def ws_server(_servers):
     return _server(_servers, "ws_server")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The openai SDK against the module's own ``server`` fixture."""
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
+        yield c

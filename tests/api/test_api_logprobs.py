@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import httpx
-import openai
 import pytest
 import torch
 from hf_models import make_hf_model
@@ -34,11 +33,6 @@ def server(model_dir):
                     "--dtype", "float32") as s:
         yield s
 
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ with a seed, choice i draws from seed + i.
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 from live_server import LiveServer
 
@@ -22,11 +21,6 @@ def server():
                     "--min-step-time", "0.01") as s:
         yield s
 
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
-        yield c
 
 
 def test_seeded_choices_are_distinct_and_reproducible(client):

@@ -14,7 +14,6 @@ import time
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from live_server import LiveServer, parse_metrics
 
@@ -42,11 +41,6 @@ def server():
     with LiveServer("--min-step-time", "0.01", "--num-kv-blocks", "256") as s:
         yield s
 
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
-        yield c
 
 
 def test_json_schema_output_is_valid_for_every_seed(client):

@@ -11,7 +11,6 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from live_server import LiveServer
 
@@ -36,11 +35,6 @@ def server():
     with LiveServer("--tool-call-parser", "hermes", "--num-kv-blocks", "256") as s:
         yield s
 
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
-        yield c
 
 
 def _check_calls(calls, allowed_names):

@@ -10,16 +10,14 @@ that one test only.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from cancel_helpers import scrape_health
-from live_server import LiveServer
+from live_server import LiveServer, ServerPool
 
 # Small, single-threaded engines: seven of them share two cores while they start.
 COMMON_FLAGS = ("--engine-threads", "1", "--num-kv-blocks", "2048", "--tokenizer-workers", "1")
@@ -67,47 +65,10 @@ class PooledServer(LiveServer):
             raise RuntimeError(f"tidal serve is ready but /health says {health}:\n{self.log()}")
 
 
-class ServerPool:
-    def __init__(self, names: set[str]):
-        self.servers = {name: PooledServer(*COMMON_FLAGS, *SERVER_FLAGS[name]) for name in names}
-        self.errors: dict[str, BaseException] = {}
-        self.threads = {name: threading.Thread(target=self._start, args=(name,), daemon=True) for name in names}
-        for thread in self.threads.values():
-            thread.start()
-
-    def _start(self, name: str) -> None:
-        try:
-            self.servers[name].start()
-        except BaseException as exc:  # handed to the test that needs this server
-            self.errors[name] = exc
-
-    def get(self, name: str) -> LiveServer:
-        self.threads[name].join()
-        if name in self.errors:
-            raise RuntimeError(f"{name} did not start") from self.errors[name]
-        server = self.servers[name]
-        if server.process.poll() is not None:
-            # Pooled servers idle until their test; one with a 2 s engine heartbeat can be declared
-            # dead while a loaded host starves it. The test needs a live one: start it again.
-            server.stop()
-            server = self.servers[name] = PooledServer(*server.args)
-            server.start()
-        return server
-
-    def stop_all(self) -> None:
-        for thread in self.threads.values():
-            thread.join()
-        live = [s for s in self.servers.values() if s.process is not None and s.process.poll() is None]
-        for server in live:  # all at once: each takes seconds to wind down
-            server.process.send_signal(signal.SIGTERM)
-        for server in live:
-            server.stop()
-
-
 @pytest.fixture(scope="session")
 def _server_pool(request):
     wanted = {name for item in request.session.items for name in item.fixturenames if name in SERVER_FLAGS}
-    pool = ServerPool(wanted)
+    pool = ServerPool({name: (*COMMON_FLAGS, *SERVER_FLAGS[name]) for name in wanted}, PooledServer)
     yield pool
     pool.stop_all()
 
