@@ -19,14 +19,13 @@ import json
 import os
 import random
 import resource
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
+from serving import serving
 
 PROMPT = "The tide comes in and the tide goes out"
 
@@ -62,34 +61,12 @@ def setup_cost(count: int, length: int) -> str:
             f"/ {steps[len(steps) * 99 // 100] * 1e6:.1f} us ({len(ids)} tokens) |")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def neighbour_gap(heavy: int) -> str:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.TemporaryFile()
-    server = subprocess.Popen([sys.executable, "-m", "tidal", "serve", "--port", str(port), "--min-step-time", "0.02"],
-                              stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir())  # not ./tidal
-    try:
-        with httpx.Client(timeout=120) as client:
-            for _ in range(600):
-                try:
-                    if client.get(url + "/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-            body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0}
-            output = client.post(url + "/v1/completions", json=body).json()["choices"][0]["text"]
+    with serving("--min-step-time", "0.02") as url:
+        body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+        output = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
         stops = distinct_stops(16, 4096, head=output)
         return _measure(url, heavy, stops)
-    finally:
-        server.terminate()
-        server.wait(30)
 
 
 def _measure(url: str, heavy: int, stops: list[str]) -> str:

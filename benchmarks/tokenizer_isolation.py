@@ -18,23 +18,15 @@ import argparse
 import collections
 import json
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import trio
+from serving import serving
 
 PROMPT = "The tide comes in and the tide goes out"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def measure(url: str, prompts: int, chars: int) -> str:
@@ -106,24 +98,8 @@ def main() -> None:
     env = dict(os.environ)
     if not args.no_path:
         env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.TemporaryFile()
-    server = subprocess.Popen([sys.executable, "-m", "tidal", "serve", "--port", str(port), "--min-step-time", "0.02"],
-                              stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir())
-    try:
-        with httpx.Client(timeout=10) as client:
-            for _ in range(600):
-                try:
-                    if client.get(url + "/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
+    with serving("--min-step-time", "0.02", env=env) as url:
         print(trio.run(measure, url, args.prompts, args.chars))
-    finally:
-        server.terminate()
-        server.wait(30)
 
 
 if __name__ == "__main__":
