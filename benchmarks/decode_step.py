@@ -1,12 +1,16 @@
 """One decode step of the model alone (forward + logits), against the host's weight-read floor.
 
     python benchmarks/decode_step.py [--sizes small] [--batches 1,16] [--dtypes float32,bfloat16]
-                                     [--context 128] [--steps 30] [--threads 2] [--profile]
+                                     [--context 128] [--steps 30] [--threads 2] [--gemv-rows 0,16]
+                                     [--rounds 1] [--profile]
 
 Loads the benchmark model (``benchmarks/models.py``) the way the engine does, builds a decode
 batch of B sequences with ``--context`` tokens already cached, and times ``model(batch)`` plus
 ``compute_logits`` (no scheduler, sampler or detokenizer). The floor is the bytes of weights one
 step reads over the host's read bandwidth, measured in the same run by summing a 1 GiB tensor.
+``--gemv-rows`` compares bf16 linears side by side in one process: 0 is oneDNN for every call, R
+the AVX512-BF16 kernel (csrc/linear_bf16.cpp) for calls of up to R rows (``layers.GEMV_MAX_ROWS``);
+``--rounds`` repeats every row, interleaved, so a noisy host shows as spread, not as a difference.
 ``--profile`` prints torch.profiler's top operators for the last configuration.
 """
 
@@ -23,6 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 from models import make_model  # noqa: E402
+from tidal.gpu import layers  # noqa: E402
 from tidal.gpu.attention import TorchPagedAttention  # noqa: E402
 from tidal.gpu.forward_batch import ForwardBatch  # noqa: E402
 from tidal.gpu.model_loader import iter_safetensors, load_model  # noqa: E402
@@ -71,6 +76,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gemv-rows", default=f"0,{layers.GEMV_MAX_ROWS}",
+                    help="bf16 only: comma-separated layers.GEMV_MAX_ROWS values to compare (0: oneDNN only)")
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this process's CPU time (with --threads 1 it shrugs off a busy machine)")
@@ -81,10 +89,10 @@ def main() -> None:
     bandwidth = read_bandwidth()
     flags = sorted({f for f in open("/proc/cpuinfo").read().split() if f in ("avx2", "avx512f", "avx512_bf16",
                                                                            "amx_bf16")})
-    print(f"host flags: {' '.join(flags)}; torch threads {args.threads}; {args.clock} clock; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
-          f"context {args.context}\n")
-    print("| model | dtype | batch | step ms | weight MB | floor ms | step / floor | tok/s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print(f"host flags: {' '.join(flags)}; torch threads {args.threads}; {args.clock} clock; read bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s; context {args.context}; load average {os.getloadavg()[0]:.2f}\n")
+    print("| model | dtype | linears | batch | step ms | weight MB | floor ms | step / floor | tok/s |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for size in args.sizes.split(","):
         model_dir = make_model(size, os.path.join(args.model_dir, size))
         for dtype_name in args.dtypes.split(","):
@@ -105,26 +113,39 @@ def main() -> None:
                     hidden = model(fb, caches)
                     model.compute_logits(hidden[fb.logits_indices])
 
-                with torch.inference_mode():
-                    for _ in range(3):
-                        step()
-                    times = []
-                    for _ in range(args.steps):
-                        start = clock()
-                        step()
-                        times.append(clock() - start)
-                    times.sort()
-                    median = times[len(times) // 2]
-                    floor = weight_bytes / bandwidth
-                    print(f"| {size} | {dtype_name} | {batch} | {median * 1e3:.2f} | {weight_bytes / 1e6:.0f} | "
-                          f"{floor * 1e3:.2f} | {median / floor:.2f}x | {batch / median:.0f} |", flush=True)
-                    if args.profile:
-                        from torch.profiler import ProfilerActivity, profile
+                has_gemv = any(getattr(m, "gemv_packed", None) is not None for m in model.modules())
+                modes = [int(r) for r in args.gemv_rows.split(",")] if has_gemv else [0]
+                for _ in range(args.rounds):
+                    for rows in modes:
+                        layers.GEMV_MAX_ROWS = rows
+                        median = time_steps(step, args.steps, clock)
+                        floor = weight_bytes / bandwidth
+                        linears = f"gemv <= {rows} rows" if rows else ("oneDNN" if dtype == torch.bfloat16 else "MKL")
+                        print(f"| {size} | {dtype_name} | {linears} | {batch} | {median * 1e3:.2f} | "
+                              f"{weight_bytes / 1e6:.0f} | {floor * 1e3:.2f} | {median / floor:.2f}x | "
+                              f"{batch / median:.0f} |", flush=True)
+                if args.profile:
+                    from torch.profiler import ProfilerActivity, profile
 
-                        with profile(activities=[ProfilerActivity.CPU]) as prof:
-                            for _ in range(10):
-                                step()
-                        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+                    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                        for _ in range(10):
+                            step()
+                    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    print(f"\nafter the run: read bandwidth {read_bandwidth() / 1e9:.1f} GB/s, load average {os.getloadavg()[0]:.2f}")
+
+
+def time_steps(step, steps: int, clock) -> float:
+    """Median seconds of ``steps`` calls of ``step`` after three warm-up calls."""
+    with torch.inference_mode():
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(steps):
+            start = clock()
+            step()
+            times.append(clock() - start)
+    times.sort()
+    return times[len(times) // 2]
 
 
 if __name__ == "__main__":

@@ -41,24 +41,76 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# Rows up to which the hand-written AVX512-BF16 kernel (csrc/linear_bf16.cpp) runs a bf16 linear; above,
+# oneDNN's GEMM on its own packed copy, which wins once the matmul is bound by arithmetic, not by reading
+# the weight (measured in docs/performance.md). 0 turns the kernel off (benchmarks compare both paths).
+GEMV_MAX_ROWS = 16
+
+
+def gemv_ops(dtype: torch.dtype, device: torch.device | str):
+    """``torch.ops.tidal_cpu`` when its small-M bf16 linear can run here (a bf16 model on a CPU with
+    AVX512-BF16 and the kernels built), else None."""
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        return None
+    from tidal.gpu.precision import cpu_native_bf16
+
+    if cpu_native_bf16() is None:  # amx_bf16 CPUs have avx512_bf16 too
+        return None
+    ops = cpu_layer_ops(dtype, device)
+    return ops if ops is not None and ops.linear_bf16_supported() else None
+
+
+def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] bf16 as ``[ceil(N/16), ceil(K/2), 32]`` for ``torch.ops.tidal_cpu.linear_bf16``.
+
+    Block b, row i holds columns 16b..16b+15 at inputs 2i and 2i+1, interleaved (w[c, 2i], w[c, 2i+1]
+    for each column c): the operand of one ``_mm512_dpbf16_ps``, and a block's K/2 rows are one
+    sequential stream. N and K are zero-padded to whole blocks and pairs.
+    """
+    n, k = weight.shape
+    padded = F.pad(weight.detach(), (0, k % 2, 0, -n % 16))
+    blocks, pairs = padded.shape[0] // 16, padded.shape[1] // 2
+    return padded.view(blocks, 16, pairs, 2).permute(0, 2, 1, 3).reshape(blocks, pairs, 32).contiguous()
+
+
 class Linear(nn.Module):
     """``y = x @ W.T + b`` with uninitialised parameters (filled by ``load_weights``).
 
-    After ``pack()`` the weight lives only in oneDNN's blocked layout (``packed``) and the
-    ``weight`` parameter is gone: packing is the last step of loading.
+    After ``pack()`` the weight lives only in packed layouts and the ``weight`` parameter is gone:
+    packing is the last step of loading. ``packed`` is oneDNN's blocked copy; on a CPU with
+    AVX512-BF16, ``gemv_packed`` is a second copy for the hand-written kernel, which runs the
+    calls of up to ``GEMV_MAX_ROWS`` rows (decode), oneDNN the rest (prefill).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device) -> None:
         super().__init__()
+        self.out_features = out_features
         self.weight = _empty_parameter((out_features, in_features), dtype, device)
         self.bias = _empty_parameter((out_features,), dtype, device) if bias else None
         self.packed: torch.Tensor | None = None
+        self.gemv_packed: torch.Tensor | None = None
+        self._gemv = None  # torch.ops.tidal_cpu once gemv_packed is set
+
+    @classmethod
+    def packed_from(cls, weight: torch.Tensor) -> Linear:
+        """A packed, bias-free Linear over a copy of ``weight`` [out, in] (a tied LM head)."""
+        linear = cls(weight.shape[1], weight.shape[0], False, weight.dtype, weight.device)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+        linear.pack()
+        return linear
 
     def pack(self) -> None:
+        ops = gemv_ops(self.weight.dtype, self.weight.device)
+        if ops is not None:
+            self.gemv_packed = pack_gemv_weight(self.weight)
+            self._gemv = ops
         self.packed = pack_weight(self.weight)
-        self.weight = None  # the plain copy would double the memory
+        self.weight = None  # the plain copy would add a third copy of the weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gemv is not None and x.shape[0] <= GEMV_MAX_ROWS and x.dim() == 2:
+            return self._gemv.linear_bf16(x, self.gemv_packed, self.out_features, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
