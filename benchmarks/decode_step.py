@@ -1,16 +1,17 @@
 """One decode step of the model alone (forward + logits), against the host's weight-read floor.
 
     python benchmarks/decode_step.py [--sizes small] [--batches 1,16] [--dtypes float32,bfloat16]
-                                     [--context 128] [--steps 30] [--threads 2] [--gemv-rows 0,16]
+                                     [--context 128] [--steps 30] [--threads 2] [--linears onednn,gemv]
                                      [--rounds 1] [--profile]
 
 Loads the benchmark model (``benchmarks/models.py``) the way the engine does, builds a decode
 batch of B sequences with ``--context`` tokens already cached, and times ``model(batch)`` plus
 ``compute_logits`` (no scheduler, sampler or detokenizer). The floor is the bytes of weights one
 step reads over the host's read bandwidth, measured in the same run by summing a 1 GiB tensor.
-``--gemv-rows`` compares bf16 linears side by side in one process: 0 is oneDNN for every call, R
-the AVX512-BF16 kernel (csrc/linear_bf16.cpp) for calls of up to R rows (``layers.GEMV_MAX_ROWS``);
-``--rounds`` repeats every row, interleaved, so a noisy host shows as spread, not as a difference.
+``--linears`` compares bf16 linears side by side in one process, one model loaded per choice: ``onednn``
+(oneDNN on prepacked weights, the path before the kernel; ``TIDAL_CPU_GEMV=0``) and ``gemv`` (the
+AVX512-BF16 kernel of csrc/linear_bf16.cpp, the default where the CPU has it). ``--rounds`` repeats
+every row, interleaved, so a noisy host shows as spread, not as a difference.
 ``--profile`` prints torch.profiler's top operators for the last configuration.
 """
 
@@ -76,8 +77,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--gemv-rows", default=f"0,{layers.GEMV_MAX_ROWS}",
-                    help="bf16 only: comma-separated layers.GEMV_MAX_ROWS values to compare (0: oneDNN only)")
+    ap.add_argument("--linears", default="onednn,gemv", help="bf16 only: the linear kernels to compare")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -97,7 +97,14 @@ def main() -> None:
         model_dir = make_model(size, os.path.join(args.model_dir, size))
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
-            model, config = load_model(model_dir, dtype, torch.device("cpu"), TorchPagedAttention("cpu"))
+            models = {}  # linears -> model
+            for linears in args.linears.split(",") if dtype == torch.bfloat16 else ["MKL"]:
+                layers.USE_GEMV = linears == "gemv"
+                model, config = load_model(model_dir, dtype, torch.device("cpu"), TorchPagedAttention("cpu"))
+                if linears == "gemv" and not any(getattr(m, "gemv_packed", None) is not None for m in model.modules()):
+                    print(f"({size}: no AVX512-BF16 kernel on this CPU, gemv row skipped)")
+                    continue
+                models[linears] = model
             # weights a decode step reads: all but the embedding table (one row each), unless tied
             weight_bytes = dtype.itemsize * sum(
                 t.numel() for n, t in iter_safetensors(model_dir)
@@ -108,19 +115,14 @@ def main() -> None:
                 caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
                           for _ in range(config.num_layers)]
                 fb = decode_batch(batch, args.context, config.vocab_size)
-
-                def step() -> None:
-                    hidden = model(fb, caches)
-                    model.compute_logits(hidden[fb.logits_indices])
-
-                has_gemv = any(getattr(m, "gemv_packed", None) is not None for m in model.modules())
-                modes = [int(r) for r in args.gemv_rows.split(",")] if has_gemv else [0]
                 for _ in range(args.rounds):
-                    for rows in modes:
-                        layers.GEMV_MAX_ROWS = rows
+                    for linears, model in models.items():
+                        def step(model=model) -> None:
+                            hidden = model(fb, caches)
+                            model.compute_logits(hidden[fb.logits_indices])
+
                         median = time_steps(step, args.steps, clock)
                         floor = weight_bytes / bandwidth
-                        linears = f"gemv <= {rows} rows" if rows else ("oneDNN" if dtype == torch.bfloat16 else "MKL")
                         print(f"| {size} | {dtype_name} | {linears} | {batch} | {median * 1e3:.2f} | "
                               f"{weight_bytes / 1e6:.0f} | {floor * 1e3:.2f} | {median / floor:.2f}x | "
                               f"{batch / median:.0f} |", flush=True)

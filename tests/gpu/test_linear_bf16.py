@@ -52,7 +52,9 @@ def test_kernel_matches_float_linear(ops, m, k, n, with_bias, row_pad, seed):
     assert_linear_matches(out, x, weight, bias)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 8192, 768), (16, 4096, 768), (3, 768, 2048), (1, 17, 4097)])
+# the last two walk K in chunks (more than 4 rows and K beyond 2048)
+@pytest.mark.parametrize("m,n,k", [(1, 8192, 768), (16, 4096, 768), (3, 768, 2048), (1, 17, 4097), (9, 70, 4099),
+                                   (40, 64, 2050)])
 def test_kernel_at_model_shapes(ops, m, n, k):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(m, k, generator=gen).bfloat16()
@@ -83,24 +85,43 @@ def packed_linear_module(n: int, k: int, bias: bool) -> tuple[Linear, torch.Tens
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_runs_the_kernel_for_decode_rows_and_onednn_above(ops, monkeypatch, bias):
+def test_linear_runs_the_kernel_for_every_call_without_amx(ops, monkeypatch, bias):
+    import tidal.gpu.precision as precision
+
+    monkeypatch.setattr(precision, "cpu_native_bf16", lambda: "avx512_bf16")
+    linear, weight, b = packed_linear_module(50, 33, bias)
+    assert linear.gemv_packed is not None and linear.packed is None and linear.weight is None  # one copy
+    for rows in (1, 16, 17, 300):
+        x = torch.randn(rows, 33).bfloat16()
+        assert_linear_matches(linear(x), x, weight, b)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_with_amx_runs_the_kernel_for_decode_rows_and_onednn_above(ops, monkeypatch, bias):
+    import tidal.gpu.precision as precision
+
+    monkeypatch.setattr(precision, "cpu_native_bf16", lambda: "amx_bf16")
     linear, weight, b = packed_linear_module(50, 33, bias)
     assert linear.gemv_packed is not None and linear.packed is not None and linear.weight is None
     calls = []
     real = ops.linear_bf16
     monkeypatch.setattr(linear, "_gemv", type("Spy", (), {"linear_bf16": lambda self, *a: calls.append(1) or real(*a)})())
-    for rows in (1, layers.GEMV_MAX_ROWS, layers.GEMV_MAX_ROWS + 1, 100):
+    for rows in (1, layers.AMX_GEMV_MAX_ROWS, layers.AMX_GEMV_MAX_ROWS + 1, 100):
         x = torch.randn(rows, 33).bfloat16()
         assert_linear_matches(linear(x), x, weight, b)
-    assert len(calls) == 2  # the two calls of at most GEMV_MAX_ROWS rows
+    assert len(calls) == 2  # the two calls of at most AMX_GEMV_MAX_ROWS rows
 
 
-def test_linear_keeps_only_onednn_where_the_cpu_lacks_avx512_bf16(monkeypatch):
+@pytest.mark.parametrize("why", ["no avx512_bf16", "TIDAL_CPU_GEMV=0"])
+def test_linear_keeps_only_onednn_where_the_kernel_is_off(monkeypatch, why):
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this torch's oneDNN has no bf16")
     import tidal.gpu.precision as precision
 
-    monkeypatch.setattr(precision, "cpu_native_bf16", lambda: None)
+    if why == "no avx512_bf16":
+        monkeypatch.setattr(precision, "cpu_native_bf16", lambda: None)
+    else:
+        monkeypatch.setattr(layers, "USE_GEMV", False)
     linear, weight, _ = packed_linear_module(40, 24, False)
     assert linear.gemv_packed is None and linear.packed is not None
     x = torch.randn(2, 24).bfloat16()

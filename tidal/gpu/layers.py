@@ -8,6 +8,7 @@ overwrite it would cost seconds on CPU.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -41,16 +42,19 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# Rows up to which the hand-written AVX512-BF16 kernel (csrc/linear_bf16.cpp) runs a bf16 linear; above,
-# oneDNN's GEMM on its own packed copy, which wins once the matmul is bound by arithmetic, not by reading
-# the weight (measured in docs/performance.md). 0 turns the kernel off (benchmarks compare both paths).
-GEMV_MAX_ROWS = 16
+# Whether bf16 linears may use the hand-written AVX512-BF16 kernel (csrc/linear_bf16.cpp); read when a
+# Linear is packed. TIDAL_CPU_GEMV=0 keeps oneDNN everywhere (benchmarks compare the two).
+USE_GEMV = os.environ.get("TIDAL_CPU_GEMV", "1") != "0"
+# On a CPU with AMX, rows up to which the kernel runs; above, oneDNN's AMX GEMM on its own packed copy
+# (AMX's tiles do several times the arithmetic of AVX512-BF16 per cycle, so they win prefill). Without
+# AMX the kernel matches or beats oneDNN at every row count (docs/performance.md) and runs every call.
+AMX_GEMV_MAX_ROWS = 16
 
 
 def gemv_ops(dtype: torch.dtype, device: torch.device | str):
-    """``torch.ops.tidal_cpu`` when its small-M bf16 linear can run here (a bf16 model on a CPU with
-    AVX512-BF16 and the kernels built), else None."""
-    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+    """``torch.ops.tidal_cpu`` when its bf16 linear can run here (a bf16 model on a CPU with AVX512-BF16
+    and the kernels built, unless ``USE_GEMV`` is off), else None."""
+    if not USE_GEMV or torch.device(device).type != "cpu" or dtype != torch.bfloat16:
         return None
     from tidal.gpu.precision import cpu_native_bf16
 
@@ -58,6 +62,13 @@ def gemv_ops(dtype: torch.dtype, device: torch.device | str):
         return None
     ops = cpu_layer_ops(dtype, device)
     return ops if ops is not None and ops.linear_bf16_supported() else None
+
+
+def gemv_max_rows() -> int | None:
+    """Rows up to which a packed bf16 Linear runs the kernel, or None for every call (then no oneDNN copy)."""
+    from tidal.gpu.precision import cpu_native_bf16
+
+    return AMX_GEMV_MAX_ROWS if cpu_native_bf16() == "amx_bf16" else None
 
 
 def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -77,9 +88,10 @@ class Linear(nn.Module):
     """``y = x @ W.T + b`` with uninitialised parameters (filled by ``load_weights``).
 
     After ``pack()`` the weight lives only in packed layouts and the ``weight`` parameter is gone:
-    packing is the last step of loading. ``packed`` is oneDNN's blocked copy; on a CPU with
-    AVX512-BF16, ``gemv_packed`` is a second copy for the hand-written kernel, which runs the
-    calls of up to ``GEMV_MAX_ROWS`` rows (decode), oneDNN the rest (prefill).
+    packing is the last step of loading. On a CPU with AVX512-BF16 a bf16 weight is packed for the
+    hand-written kernel (``gemv_packed``), which runs every call; with AMX too, oneDNN keeps a second
+    copy (``packed``) for the calls of more than ``AMX_GEMV_MAX_ROWS`` rows (prefill). Elsewhere
+    ``packed`` is oneDNN's copy alone.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device) -> None:
@@ -90,6 +102,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.gemv_packed: torch.Tensor | None = None
         self._gemv = None  # torch.ops.tidal_cpu once gemv_packed is set
+        self._gemv_rows = 0  # with a oneDNN copy too, calls of up to this many rows run the kernel
 
     @classmethod
     def packed_from(cls, weight: torch.Tensor) -> Linear:
@@ -102,14 +115,17 @@ class Linear(nn.Module):
 
     def pack(self) -> None:
         ops = gemv_ops(self.weight.dtype, self.weight.device)
+        max_rows = gemv_max_rows() if ops is not None else 0
         if ops is not None:
             self.gemv_packed = pack_gemv_weight(self.weight)
             self._gemv = ops
-        self.packed = pack_weight(self.weight)
-        self.weight = None  # the plain copy would add a third copy of the weights
+            self._gemv_rows = max_rows or 0
+        if max_rows is not None:
+            self.packed = pack_weight(self.weight)
+        self.weight = None  # the plain copy would double the memory
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._gemv is not None and x.shape[0] <= GEMV_MAX_ROWS and x.dim() == 2:
+        if self._gemv is not None and (self.packed is None or x.shape[0] <= self._gemv_rows):
             return self._gemv.linear_bf16(x, self.gemv_packed, self.out_features, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -32,6 +33,7 @@ constexpr int64_t kBlock = 16;      // output columns per packed block (one zmm 
 constexpr int kMaxBlocks = 4;       // blocks one tile walks together
 constexpr int kMaxRows = 4;         // rows of x one tile serves from each weight line
 constexpr int64_t kPrefetch = 8;    // cache lines ahead of each block's stream
+constexpr int64_t kChunkPairs = 1024;  // K pairs per pass with many rows: 4 blocks' slice is 256 KB, in L2
 constexpr int64_t kTaskBytes = 48 << 10;  // weight bytes below which another thread costs more than it saves
 
 #pragma GCC push_options
@@ -52,17 +54,21 @@ inline __m512 widen_bias(const uint16_t* bias, int64_t col, int64_t valid) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// Rows [row, row + ROWS) by blocks [block, block + BLOCKS) of the output.
+// Rows [row, row + ROWS) by blocks [block, block + BLOCKS) of the output, over input pairs [first, last).
+// When the pairs are a chunk of K, `partial` ([ROWS][kMaxBlocks * kBlock] floats, rows of the whole tile
+// group) carries the sums between chunks; the last chunk adds the bias and stores the bf16 result.
 template <int ROWS, int BLOCKS>
-void tile(const Problem& p, int64_t row, int64_t block) {
+void tile(const Problem& p, int64_t row, int64_t block, int64_t first, int64_t last, float* partial) {
+  constexpr int64_t kPartialRow = kMaxBlocks * kBlock;
   __m512 acc[ROWS][BLOCKS];
   for (int r = 0; r < ROWS; ++r)
-    for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int b = 0; b < BLOCKS; ++b)
+      acc[r][b] = first == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(partial + r * kPartialRow + b * kBlock);
   const int64_t stride = p.pairs * 32;  // elements between consecutive blocks
   const uint16_t* w = p.w + block * stride;
   const uint16_t* x = p.x + row * p.x_stride;
-  const int64_t full = p.k / 2;
-  for (int64_t i = 0; i < full; ++i) {
+  const int64_t full = p.k / 2;  // pairs with both inputs in x
+  for (int64_t i = first; i < std::min(last, full); ++i) {
     __m512i wv[BLOCKS];
     for (int b = 0; b < BLOCKS; ++b) {
       const uint16_t* line = w + b * stride + i * 32;
@@ -76,7 +82,7 @@ void tile(const Problem& p, int64_t row, int64_t block) {
       for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, (__m512bh)wv[b]);
     }
   }
-  if (p.k % 2) {  // odd K: the last pair holds x[K-1] and a zero (the packed weight is zero-padded too)
+  if (last > full) {  // odd K: the last pair holds x[K-1] and a zero (the packed weight is zero-padded too)
     for (int r = 0; r < ROWS; ++r) {
       const int32_t pair = x[r * p.x_stride + p.k - 1];
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
@@ -85,6 +91,11 @@ void tile(const Problem& p, int64_t row, int64_t block) {
         acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, (__m512bh)wv);
       }
     }
+  }
+  if (last < p.pairs) {
+    for (int r = 0; r < ROWS; ++r)
+      for (int b = 0; b < BLOCKS; ++b) _mm512_storeu_ps(partial + r * kPartialRow + b * kBlock, acc[r][b]);
+    return;
   }
   for (int b = 0; b < BLOCKS; ++b) {
     const int64_t col = (block + b) * kBlock;
@@ -99,27 +110,35 @@ void tile(const Problem& p, int64_t row, int64_t block) {
 }
 
 template <int BLOCKS>
-void tile_rows(const Problem& p, int64_t row, int64_t rows, int64_t block) {
+void tile_rows(const Problem& p, int64_t row, int64_t rows, int64_t block, int64_t first, int64_t last,
+               float* partial) {
   switch (rows) {
-    case 1: return tile<1, BLOCKS>(p, row, block);
-    case 2: return tile<2, BLOCKS>(p, row, block);
-    case 3: return tile<3, BLOCKS>(p, row, block);
-    default: return tile<4, BLOCKS>(p, row, block);
+    case 1: return tile<1, BLOCKS>(p, row, block, first, last, partial);
+    case 2: return tile<2, BLOCKS>(p, row, block, first, last, partial);
+    case 3: return tile<3, BLOCKS>(p, row, block, first, last, partial);
+    default: return tile<4, BLOCKS>(p, row, block, first, last, partial);
   }
 }
 
-// Output blocks [begin, end) for every row: 4 blocks at a time, each group of 4 blocks for all rows
-// before the next, so rows past the first 4 find the group's weights in L2.
+// Output blocks [begin, end) for every row, 4 blocks at a time: each group of blocks for all rows before
+// the next, so rows past the first 4 find the group's weights in L2. Where a group's slice of the weight
+// would not stay in L2 (long K and many rows: prefill of a large model), K is walked in chunks that do.
 void run_blocks(const Problem& p, int64_t begin, int64_t end) {
+  const int64_t chunk = p.m > kMaxRows ? kChunkPairs : p.pairs;
+  std::vector<float> partial(chunk < p.pairs ? p.m * kMaxBlocks * kBlock : 0);
   for (int64_t block = begin; block < end; block += kMaxBlocks) {
     const int64_t blocks = std::min<int64_t>(kMaxBlocks, end - block);
-    for (int64_t row = 0; row < p.m; row += kMaxRows) {
-      const int64_t rows = std::min<int64_t>(kMaxRows, p.m - row);
-      switch (blocks) {
-        case 1: tile_rows<1>(p, row, rows, block); break;
-        case 2: tile_rows<2>(p, row, rows, block); break;
-        case 3: tile_rows<3>(p, row, rows, block); break;
-        default: tile_rows<4>(p, row, rows, block); break;
+    for (int64_t first = 0; first < p.pairs; first += chunk) {
+      const int64_t last = std::min(p.pairs, first + chunk);
+      for (int64_t row = 0; row < p.m; row += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, p.m - row);
+        float* rows_partial = partial.empty() ? nullptr : partial.data() + row * kMaxBlocks * kBlock;
+        switch (blocks) {
+          case 1: tile_rows<1>(p, row, rows, block, first, last, rows_partial); break;
+          case 2: tile_rows<2>(p, row, rows, block, first, last, rows_partial); break;
+          case 3: tile_rows<3>(p, row, rows, block, first, last, rows_partial); break;
+          default: tile_rows<4>(p, row, rows, block, first, last, rows_partial); break;
+        }
       }
     }
   }
