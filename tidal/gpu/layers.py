@@ -49,6 +49,7 @@ USE_GEMV = os.environ.get("TIDAL_CPU_GEMV", "1") != "0"
 # (AMX's tiles do several times the arithmetic of AVX512-BF16 per cycle, so they win prefill). Without
 # AMX the kernel matches or beats oneDNN at every row count (docs/performance.md) and runs every call.
 AMX_GEMV_MAX_ROWS = 16
+GEMV_GROUP = 4  # blocks of 16 columns the kernel walks together (kMaxBlocks in csrc/linear_bf16.cpp)
 
 
 def gemv_ops(dtype: torch.dtype, device: torch.device | str):
@@ -72,16 +73,20 @@ def gemv_max_rows() -> int | None:
 
 
 def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] bf16 as ``[ceil(N/16), ceil(K/2), 32]`` for ``torch.ops.tidal_cpu.linear_bf16``.
+    """``weight`` [N, K] bf16 repacked for ``torch.ops.tidal_cpu.linear_bf16``: ``[ceil(N/16), ceil(K/2), 32]``.
 
-    Block b, row i holds columns 16b..16b+15 at inputs 2i and 2i+1, interleaved (w[c, 2i], w[c, 2i+1]
-    for each column c): the operand of one ``_mm512_dpbf16_ps``, and a block's K/2 rows are one
-    sequential stream. N and K are zero-padded to whole blocks and pairs.
+    A block of 16 output columns at one pair of inputs (2i, 2i+1) is 32 values, the 16 columns' two
+    weights side by side (w[c, 2i], w[c, 2i+1]): the operand of one ``_mm512_dpbf16_ps``. The kernel
+    walks 4 blocks (64 columns) at a time, so each group of 4 blocks is stored pair by pair, its 4
+    blocks interleaved: the group is one sequential stream of K/2 x 256 bytes (the last group holds
+    the 1-3 blocks left). N and K are zero-padded to whole blocks and pairs.
     """
     n, k = weight.shape
     padded = F.pad(weight.detach(), (0, k % 2, 0, -n % 16))
     blocks, pairs = padded.shape[0] // 16, padded.shape[1] // 2
-    return padded.view(blocks, 16, pairs, 2).permute(0, 2, 1, 3).reshape(blocks, pairs, 32).contiguous()
+    per_block = padded.view(blocks, 16, pairs, 2).permute(0, 2, 1, 3).reshape(blocks, pairs, 32)
+    groups = [per_block[g : g + GEMV_GROUP].transpose(0, 1).reshape(-1) for g in range(0, blocks, GEMV_GROUP)]
+    return torch.cat(groups).view(blocks, pairs, 32)
 
 
 class Linear(nn.Module):
