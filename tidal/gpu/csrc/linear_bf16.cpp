@@ -60,8 +60,14 @@ inline __m512 widen_bias(const uint16_t* bias, int64_t col, int64_t valid) {
 // Rows [row, row + ROWS) by blocks [block, block + BLOCKS) of the output, over input pairs [first, last).
 // When the pairs are a chunk of K, `partial` ([ROWS][kMaxBlocks * kBlock] floats, rows of the whole tile
 // group) carries the sums between chunks; the last chunk adds the bias and stores the bf16 result.
+// Weights to bring into L2 while a tile computes from L2: `lines_per_step` cache lines from `base` per step.
+struct Ahead {
+  const char* base = nullptr;
+  int64_t lines_per_step = 0;
+};
+
 template <int ROWS, int BLOCKS>
-void tile(const Problem& p, int64_t row, int64_t block, int64_t first, int64_t last, float* partial) {
+void tile(const Problem& p, int64_t row, int64_t block, int64_t first, int64_t last, float* partial, Ahead ahead) {
   constexpr int64_t kPartialRow = kMaxBlocks * kBlock;
   __m512 acc[ROWS][BLOCKS];
   for (int r = 0; r < ROWS; ++r)
@@ -73,6 +79,8 @@ void tile(const Problem& p, int64_t row, int64_t block, int64_t first, int64_t l
   const int64_t full = p.k / 2;  // pairs with both inputs in x
   for (int64_t i = first; i < std::min(last, full); ++i) {
     __m512i wv[BLOCKS];
+    for (int64_t j = 0; j < ahead.lines_per_step; ++j)
+      _mm_prefetch(ahead.base + ((i - first) * ahead.lines_per_step + j) * 64, _MM_HINT_T1);
     for (int b = 0; b < BLOCKS; ++b) {
       const uint16_t* line = w + (i * BLOCKS + b) * 32;
       _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetch * 32), _MM_HINT_T0);
@@ -114,33 +122,54 @@ void tile(const Problem& p, int64_t row, int64_t block, int64_t first, int64_t l
 
 template <int BLOCKS>
 void tile_rows(const Problem& p, int64_t row, int64_t rows, int64_t block, int64_t first, int64_t last,
-               float* partial) {
+               float* partial, Ahead ahead) {
   switch (rows) {
-    case 1: return tile<1, BLOCKS>(p, row, block, first, last, partial);
-    case 2: return tile<2, BLOCKS>(p, row, block, first, last, partial);
-    case 3: return tile<3, BLOCKS>(p, row, block, first, last, partial);
-    default: return tile<4, BLOCKS>(p, row, block, first, last, partial);
+    case 1: return tile<1, BLOCKS>(p, row, block, first, last, partial, ahead);
+    case 2: return tile<2, BLOCKS>(p, row, block, first, last, partial, ahead);
+    case 3: return tile<3, BLOCKS>(p, row, block, first, last, partial, ahead);
+    default: return tile<4, BLOCKS>(p, row, block, first, last, partial, ahead);
   }
 }
 
 // Output blocks [begin, end) for every row, 4 blocks at a time: each group of blocks for all rows before
 // the next, so rows past the first 4 find the group's weights in L2. Where a group's slice of the weight
 // would not stay in L2 (long K and many rows: prefill of a large model), K is walked in chunks that do.
+// With more than 4 rows, the passes after the first (computing from L2) prefetch the next slice into L2,
+// so its first pass does not wait on memory: the weight read overlaps the arithmetic.
 void run_blocks(const Problem& p, int64_t begin, int64_t end) {
   const int64_t chunk = p.m > kMaxRows ? kChunkPairs : p.pairs;
+  const int64_t passes = (p.m + kMaxRows - 1) / kMaxRows;
   std::vector<float> partial(chunk < p.pairs ? p.m * kMaxBlocks * kBlock : 0);
   for (int64_t block = begin; block < end; block += kMaxBlocks) {
     const int64_t blocks = std::min<int64_t>(kMaxBlocks, end - block);
+    const uint16_t* group = p.w + block * p.pairs * 32;
     for (int64_t first = 0; first < p.pairs; first += chunk) {
       const int64_t last = std::min(p.pairs, first + chunk);
+      // the slice the next first pass reads: this group's next K chunk, or the next group's first
+      const uint16_t* next = nullptr;
+      int64_t next_lines = 0;
+      if (last < p.pairs) {
+        next = group + last * blocks * 32;
+        next_lines = (std::min(p.pairs, last + chunk) - last) * blocks;
+      } else if (block + kMaxBlocks < end) {
+        next = p.w + (block + kMaxBlocks) * p.pairs * 32;
+        next_lines = std::min(chunk, p.pairs) * std::min<int64_t>(kMaxBlocks, end - block - kMaxBlocks);
+      }
+      const int64_t share = passes > 1 ? (next_lines + passes - 2) / (passes - 1) : 0;  // lines per later pass
       for (int64_t row = 0; row < p.m; row += kMaxRows) {
         const int64_t rows = std::min<int64_t>(kMaxRows, p.m - row);
         float* rows_partial = partial.empty() ? nullptr : partial.data() + row * kMaxBlocks * kBlock;
+        Ahead ahead;
+        const int64_t pass = row / kMaxRows;
+        if (next != nullptr && pass > 0) {
+          ahead.base = reinterpret_cast<const char*>(next) + (pass - 1) * share * 64;
+          ahead.lines_per_step = (share + (last - first) - 1) / (last - first);
+        }
         switch (blocks) {
-          case 1: tile_rows<1>(p, row, rows, block, first, last, rows_partial); break;
-          case 2: tile_rows<2>(p, row, rows, block, first, last, rows_partial); break;
-          case 3: tile_rows<3>(p, row, rows, block, first, last, rows_partial); break;
-          default: tile_rows<4>(p, row, rows, block, first, last, rows_partial); break;
+          case 1: tile_rows<1>(p, row, rows, block, first, last, rows_partial, ahead); break;
+          case 2: tile_rows<2>(p, row, rows, block, first, last, rows_partial, ahead); break;
+          case 3: tile_rows<3>(p, row, rows, block, first, last, rows_partial, ahead); break;
+          default: tile_rows<4>(p, row, rows, block, first, last, rows_partial, ahead); break;
         }
       }
     }
