@@ -117,3 +117,114 @@ def test_a_served_two_rank_request_through_the_openai_sdk(served_model):
         tokenizer = Tokenizer.from_file(os.path.join(served_model, "tokenizer.json"))
         assert completion.choices[0].text == tokenizer.decode(expected)
         assert completion.usage.completion_tokens == NUM_NEW_TOKENS
+
+
+# ---------------------------------------------------------------------- a rank dies
+
+TP_FLAGS = ("--tensor-parallel-size", "2", "--min-step-time", "0.05", "--num-kv-blocks", "128",
+            "--tokenizer-workers", "1")
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_killed_rank_fails_its_streams_and_restarts_bring_the_replica_back():
+    from cancellation.cancel_helpers import RawHttp, completion_body, poll, scrape_health, unique_prompt
+
+    with LiveServer(*TP_FLAGS, "--engine-restarts", "2") as server:
+        engine = server.engine_pid()
+        (rank,) = rank_pids(engine)
+        stream = RawHttp(server.port, "/v1/completions", completion_body(unique_prompt(8, seed=1), 200))
+        stream.next_chunk()
+        os.kill(rank, signal.SIGKILL)
+
+        events = stream.rest_of_stream()  # the engine noticed at once: the stream ends with an error
+        stream.close()
+        assert events[-1] == "[DONE]" and '"engine_error"' in events[-2], events[-3:]
+        wait_until(lambda: gone(engine), 10, "rank 0 exits after its rank 1 died")
+        assert "tensor-parallel rank 1" in server.log() and "SIGKILL" in server.log()
+
+        poll(server, lambda m: m["tidal:replicas_live"] == 1, timeout=60)
+        new_engine = server.engine_pid()
+        assert new_engine != engine and len(rank_pids(new_engine)) == 1 and scrape_health(server) == 200
+        ok = RawHttp(server.port, "/v1/completions", completion_body(unique_prompt(8, seed=2), 4, stream=False))
+        assert ok.read_head() == 200 and ok.read_json()["usage"]["completion_tokens"] == 4
+        ok.close()
+
+        # the other way round: a killed rank 0 leaves no rank behind
+        (new_rank,) = rank_pids(new_engine)
+        os.kill(new_engine, signal.SIGKILL)
+        wait_until(lambda: gone(new_rank), 10, "rank 1 dies with its rank 0")
+        poll(server, lambda m: m["tidal:replicas_live"] == 1, timeout=60)
+    assert server.process.returncode == 0
+
+
+def test_without_restarts_a_killed_rank_stops_the_server_with_code_3():
+    server = LiveServer(*TP_FLAGS)
+    server.start()
+    try:
+        engine = server.engine_pid()
+        (rank,) = rank_pids(engine)
+        os.kill(rank, signal.SIGKILL)
+        assert server.process.wait(timeout=30) == 3
+        assert gone(engine)
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------- two nodes on loopback
+
+
+def test_two_nodes_on_loopback_serve_and_shut_down_together(served_model):
+    import openai
+
+    port = str(free_port())
+    node_flags = ("--model", served_model, "--tensor-parallel-size", "2", "--dtype", "float32", "--nnodes", "2",
+                  "--master-addr", "127.0.0.1", "--master-port", port)
+    node1 = subprocess.Popen([sys.executable, "-m", "tidal", "serve", *node_flags, "--node-rank", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with LiveServer(*node_flags, "--node-rank", "0") as server:
+            # node 0 started no rank of its own beside rank 0: node 1's launcher holds rank 1
+            assert rank_pids(server.engine_pid()) == []
+            assert len(psutil.Process(node1.pid).children()) == 1  # `tidal serve` became the node's launcher
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+            completion = client.completions.create(model=served_model, prompt=PROMPTS[0],
+                                                   max_tokens=NUM_NEW_TOKENS, temperature=0)
+            assert completion.usage.completion_tokens == NUM_NEW_TOKENS
+            expected = hf_greedy(load_hf_model(served_model), PROMPTS[0], NUM_NEW_TOKENS)
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(os.path.join(served_model, "tokenizer.json"))
+            assert completion.choices[0].text == tokenizer.decode(expected)
+        # node 0 shut down: rank 0 told rank 1, and the headless node exits cleanly
+        assert node1.wait(timeout=30) == 0
+        assert "headless" in node1.stdout.read()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
+# ---------------------------------------------------------------------- sizes that do not split
+
+
+def test_a_size_that_does_not_split_the_model_is_one_line_and_exit_code_3(hf_model_dir):
+    result = subprocess.run([sys.executable, "-m", "tidal", "serve", "--model", hf_model_dir("llama"),
+                             "--tensor-parallel-size", "3", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3
+    assert "--tensor-parallel-size 3 does not divide the model's 4 attention heads" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("does not divide") == 1, result.stderr
