@@ -184,6 +184,35 @@ def test_without_restarts_a_killed_rank_stops_the_server_with_code_3():
         server.stop()
 
 
+def test_two_replicas_of_two_ranks_each_meet_at_their_own_port_and_both_serve():
+    import json
+
+    from cancellation.cancel_helpers import RawHttp, completion_body, unique_prompt
+
+    port = free_port()
+    with LiveServer(*TP_FLAGS, "--data-parallel-size", "2", "--master-port", str(port)) as server:
+        engines = sorted((c for c in psutil.Process(server.process.pid).children()
+                          if "tidal.gpu" in " ".join(c.cmdline())), key=lambda c: c.pid)
+        assert len(engines) == 2 and all(len(rank_pids(e.pid)) == 1 for e in engines)
+        listening = [{c.laddr.port for c in e.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+                     for e in engines]
+        # replica k's rank 0 holds the rendezvous store at --master-port + k
+        assert sorted(p for ports in listening for p in ports & {port, port + 1}) == [port, port + 1]
+        streams = []
+        for i in range(2):  # the second is routed to the other, idle replica
+            stream = RawHttp(server.port, "/v1/completions", completion_body(unique_prompt(8, seed=10 + i), 12))
+            stream.next_chunk()
+            streams.append(stream)
+        for stream in streams:
+            events = stream.rest_of_stream()
+            stream.close()
+            assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        m = server.metrics()
+        routed = {k: v for k, v in m.items() if k.startswith("tidal:requests_routed_total{") and v}
+        assert list(routed.values()) == [1.0, 1.0]
+        assert sum('replica="0"' in k for k in routed) == sum('replica="1"' in k for k in routed) == 1, routed
+
+
 # ---------------------------------------------------------------------- two nodes on loopback
 
 
