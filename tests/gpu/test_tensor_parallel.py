@@ -37,6 +37,14 @@ CASES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """An in-process rank 0 takes its share of the cores (torch.set_num_threads): give them back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 def run_engine(model_dir: str, tensor_parallel_size: int) -> list[list[int]]:
     """Greedy tokens of ``PROMPTS`` from an in-process engine; rank 0 is this process."""
     engine = Engine(EngineConfig(model=model_dir, dtype="float32", tensor_parallel_size=tensor_parallel_size,

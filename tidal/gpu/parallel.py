@@ -163,7 +163,7 @@ def join_group(config: EngineConfig, rank: int, model_dir: str, dtype: torch.dty
     if rank == 0:
         check_config(config, model_dir)
         threads = max(1, (config.num_threads or os.cpu_count() or 1) // per_node)
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # the node's ranks share its cores
         config = msgspec.structs.replace(config, num_threads=threads, dtype=str(dtype).removeprefix("torch."))
         os.environ["MASTER_ADDR"] = config.master_addr
         os.environ["MASTER_PORT"] = str(rendezvous_port(config))

@@ -119,7 +119,8 @@ def run_node(config: EngineConfig, num_replicas: int, max_restarts: int) -> int:
     log = logging.getLogger("tidal.node")
     per_node = config.tensor_parallel_size // config.nnodes
     ranks = range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
-    threads = config.num_threads or max(1, (os.cpu_count() or 1) // (num_replicas * per_node))
+    # as on node 0: --engine-threads (or this node's share of its cores) per replica, split among its ranks
+    threads = max(1, (config.num_threads or (os.cpu_count() or 1) // num_replicas) // per_node)
     configs = [msgspec.structs.replace(config, data_parallel_rank=k, num_threads=threads)
                for k in range(num_replicas)]
     running = {k: [start_rank(c, r, rendezvous_port(c)) for r in ranks] for k, c in enumerate(configs)}
