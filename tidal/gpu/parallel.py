@@ -51,14 +51,21 @@ def ranks_per_node(config: EngineConfig) -> int:
     return config.tensor_parallel_size // config.nnodes
 
 
-def check_config(config: EngineConfig, model_dir: str) -> None:
-    """Raise ``ValueError`` (one line) unless this model splits over ``config``'s ranks and nodes."""
+def check_config(config: EngineConfig, model_dir: str, device: torch.device) -> None:
+    """Raise ``ValueError`` (one line) unless this model splits over ``config``'s ranks, nodes and devices."""
     size = config.tensor_parallel_size
     if config.model == SYNTHETIC_MODEL_NAME:
         raise ValueError(f"--tensor-parallel-size needs a model with weights; {SYNTHETIC_MODEL_NAME} has none")
     if size % config.nnodes:
         raise ValueError(f"--nnodes {config.nnodes} does not divide --tensor-parallel-size {size}")
     check_tensor_parallel(ModelConfig.from_dir(model_dir), size)
+    if device.type == "cuda":  # NCCL needs a GPU per rank
+        per_node, gpus = ranks_per_node(config), torch.cuda.device_count()
+        if config.device.startswith("cuda:"):
+            raise ValueError(f"--device {config.device} puts every rank on one GPU; give --device cuda "
+                             f"(rank r of replica k takes GPU k x {per_node} + r)")
+        if gpus < per_node:
+            raise ValueError(f"--tensor-parallel-size {size} needs {per_node} GPUs per node; torch sees {gpus}")
 
 
 class TensorParallel:
@@ -161,7 +168,7 @@ def join_group(config: EngineConfig, rank: int, model_dir: str, dtype: torch.dty
     per_node = ranks_per_node(config)
     processes = {}
     if rank == 0:
-        check_config(config, model_dir)
+        check_config(config, model_dir, device)
         threads = max(1, (config.num_threads or os.cpu_count() or 1) // per_node)
         torch.set_num_threads(threads)  # the node's ranks share its cores
         config = msgspec.structs.replace(config, num_threads=threads, dtype=str(dtype).removeprefix("torch."))
