@@ -45,15 +45,16 @@ def keep_torch_threads():
     torch.set_num_threads(before)
 
 
-def run_engine(model_dir: str, tensor_parallel_size: int) -> list[list[int]]:
-    """Greedy tokens of ``PROMPTS`` from an in-process engine; rank 0 is this process."""
+def run_engine(model_dir: str, tensor_parallel_size: int, prompts: list[list[int]] = PROMPTS,
+               max_num_batched_tokens: int = 16) -> list[list[int]]:
+    """Greedy tokens of ``prompts`` from an in-process engine; rank 0 is this process."""
     engine = Engine(EngineConfig(model=model_dir, dtype="float32", tensor_parallel_size=tensor_parallel_size,
-                                 block_size=4, num_kv_blocks=64, max_num_batched_tokens=16))
+                                 block_size=4, num_kv_blocks=256, max_num_batched_tokens=max_num_batched_tokens))
     try:
         params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        for rid, prompt in enumerate(PROMPTS):
+        for rid, prompt in enumerate(prompts):
             engine.add_request(AddRequest(rid, prompt, params, 0, 0.0))
-        tokens: list[list[int]] = [[] for _ in PROMPTS]
+        tokens: list[list[int]] = [[] for _ in prompts]
         while engine.has_work():
             engine.step()
             report = engine.take_report()
@@ -74,6 +75,14 @@ def test_two_ranks_give_the_same_greedy_tokens_as_one_and_as_transformers(case, 
     hf = load_hf_model(model_dir)
     expected = [hf_greedy(hf, prompt, NUM_NEW_TOKENS) for prompt in PROMPTS]
     assert two_ranks == one_rank == expected
+
+
+def test_a_long_prefill_travels_in_a_broadcast_of_its_own(hf_model_dir):
+    """400 tokens in one step: the batch's payload exceeds the fixed first broadcast."""
+    model_dir = hf_model_dir("qwen2")
+    prompt = [(7 * i) % 8000 + 10 for i in range(400)]
+    hf = hf_greedy(load_hf_model(model_dir), prompt, NUM_NEW_TOKENS)
+    assert run_engine(model_dir, 2, [prompt], max_num_batched_tokens=512) == [hf]
 
 
 def test_each_rank_holds_only_its_shard(hf_model_dir):

@@ -8,9 +8,10 @@ torch.distributed's env:// rendezvous at ``MASTER_ADDR:MASTER_PORT`` (+ the repl
 
 Two groups, because waiting and computing need different timeouts:
 
-* the default group (gloo, ``CONTROL_TIMEOUT``): the start handshake and each step's batch, as two
-  broadcasts of flat int64 tensors (a fixed header, then the payload). Ranks > 0 wait in it while
-  the engine is idle, however long that is;
+* the default group (gloo, ``CONTROL_TIMEOUT``): the start handshake and each step's batch as flat
+  int64 tensors: one fixed-size broadcast (a header, and the payload when it fits, as a decode
+  batch's does), a second for a longer payload. Ranks > 0 wait in it while the engine is idle,
+  however long that is;
 * ``group`` (gloo on CPU, NCCL on CUDA, ``COLLECTIVE_TIMEOUT``): the forward's all-reduces and the
   logits gather. A rank that dies mid-step makes the others' collective fail: at once on gloo (its
   sockets close), within the timeout otherwise. Rank 0 also watches its child ranks and fails the
@@ -44,6 +45,7 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # one all-reduce waiting for a laggi
 CONTROL_TIMEOUT = timedelta(days=365)  # an idle engine sends nothing; its ranks wait for the next step
 
 _HEADER = 8  # op, tokens, decodes, decode table width, prefills, prefill table width, sampled rows, max len
+_INLINE = 1016  # payload ints that ride in the header's broadcast (a decode batch of ~100): one round trip
 _SHUTDOWN, _STEP = 0, 1
 
 
@@ -112,17 +114,28 @@ class TensorParallel:
 
     def send_batch(self, batch: ForwardBatch) -> None:
         header, payload = pack_batch(batch)
-        dist.broadcast(header, 0)
-        dist.broadcast(payload, 0)
+        first = torch.zeros(_HEADER + _INLINE, dtype=torch.int64)
+        first[:_HEADER] = header
+        if payload.shape[0] <= _INLINE:
+            first[_HEADER:_HEADER + payload.shape[0]] = payload
+            dist.broadcast(first, 0)
+        else:  # a long prefill: the payload follows on its own
+            dist.broadcast(first, 0)
+            dist.broadcast(payload, 0)
 
     def receive_batch(self) -> ForwardBatch | None:
         """The next step's batch from rank 0; None when rank 0 says shut down."""
-        header = torch.empty(_HEADER, dtype=torch.int64)
-        dist.broadcast(header, 0)
+        first = torch.empty(_HEADER + _INLINE, dtype=torch.int64)
+        dist.broadcast(first, 0)
+        header = first[:_HEADER]
         if header[0].item() == _SHUTDOWN:
             return None
-        payload = torch.empty(batch_payload_size(header), dtype=torch.int64)
-        dist.broadcast(payload, 0)
+        size = batch_payload_size(header)
+        if size <= _INLINE:
+            payload = first[_HEADER:_HEADER + size]
+        else:
+            payload = torch.empty(size, dtype=torch.int64)
+            dist.broadcast(payload, 0)
         return unpack_batch(header, payload, self.device)
 
     def broadcast_int(self, value: int) -> int:
@@ -140,7 +153,7 @@ class TensorParallel:
         self._closed = True
         if self.rank == 0:
             try:
-                dist.broadcast(torch.zeros(_HEADER, dtype=torch.int64), 0)  # op 0: shut down
+                dist.broadcast(torch.zeros(_HEADER + _INLINE, dtype=torch.int64), 0)  # op 0: shut down
             except Exception:  # a rank is gone already: the ones left die with their stdin
                 pass
             for process in self.processes.values():
