@@ -1,13 +1,15 @@
 """Decode step time with one rank against two (tensor parallelism on CPU, gloo).
 
     python benchmarks/tensor_parallel.py [--sizes tiny,small] [--batches 1,16] [--steps 48]
-                                         [--threads 2] [--dtype auto] [--rounds 2]
+                                         [--threads 2] [--dtype auto] [--rounds 2] [--tp-sizes 1,2]
 
 For each model, batch size and round, in one process: an in-process engine (rank 0 is this process;
 with TP=2 it starts rank 1) prefills ``batch`` random 32-token prompts, then the time of ``steps``
 decode steps (``Engine.step``: schedule, forward, sample, detokenize) is taken. TP=1 runs ``threads``
 torch threads; TP=2 splits them between its two ranks, so both use the same cores. The rounds
 alternate TP=1 and TP=2 so a noisy host hits both alike. Prints ms per step and TP=2 / TP=1 as markdown.
+``--tp-sizes 1`` runs one rank only, also against a checkout from before tensor parallelism
+(``PYTHONPATH=that/checkout``): the single-rank path before and after.
 
 With TP=2 it also adds up the time rank 0 spends in the step's collectives (the batch broadcast,
 two all-reduces per layer and one for the embedding, the logits gather), waiting for rank 1 included.
@@ -37,8 +39,10 @@ PROMPT_LEN = 32
 def decode_step_ms(model_dir: str, tp: int, batch: int, steps: int, threads: int, dtype: str) -> tuple[float, float]:
     """(ms per decode step, ms of it rank 0 spent in collectives)."""
     torch.set_num_threads(threads)  # a TP=2 run before left this process with its per-rank share
-    engine = Engine(EngineConfig(model=model_dir, dtype=dtype, tensor_parallel_size=tp, num_threads=threads,
-                                 num_kv_blocks=batch * 8 + 8))
+    # without the tensor-parallel field at TP=1, so the script also runs on a checkout from before it
+    parallel = {"tensor_parallel_size": tp} if tp > 1 else {}
+    engine = Engine(EngineConfig(model=model_dir, dtype=dtype, num_threads=threads, num_kv_blocks=batch * 8 + 8,
+                                 **parallel))
     try:
         rng = random.Random(batch)
         params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
@@ -55,7 +59,7 @@ def decode_step_ms(model_dir: str, tp: int, batch: int, steps: int, threads: int
         elapsed = time.perf_counter() - start
         return elapsed / steps * 1e3, in_collectives[0] / steps * 1e3
     finally:
-        if engine.runner.tp is not None:
+        if getattr(engine.runner, "tp", None) is not None:
             engine.runner.tp.close()
 
 
@@ -85,16 +89,27 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tp-sizes", default="1,2")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    rows = []
+    tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
+    both = tp_sizes == [1, 2]
+    print(f"threads {args.threads} in all (TP=2: {args.threads // 2} per rank), dtype {args.dtype}, "
+          f"{args.steps} decode steps after a {PROMPT_LEN}-token prefill, {args.rounds} rounds alternating")
+    header = ["model", "batch", *(f"TP={tp} ms/step" for tp in tp_sizes)]
+    if 2 in tp_sizes:
+        header.append("of which rank 0 in collectives")
+    if both:
+        header.append("TP=2 / TP=1 (best)")
+    print("| " + " | ".join(header) + " |")
+    print("|---|---:|" + "---|" * (len(header) - 2))
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):
             model_dir = make_model(size, os.path.join(tmp, size))
             times: dict[tuple[int, int], list[float]] = {}
             waits: dict[int, list[float]] = {}
             for _ in range(args.rounds):
-                for tp in (1, 2):
+                for tp in tp_sizes:
                     for batch in batches:
                         ms, collective_ms = decode_step_ms(model_dir, tp, batch, args.steps, args.threads,
                                                            args.dtype)
@@ -102,17 +117,17 @@ def main() -> int:
                         if tp > 1:
                             waits.setdefault(batch, []).append(collective_ms)
             for batch in batches:
-                one, two = times[(1, batch)], times[(2, batch)]
-                rows.append((size, batch, one, two, waits[batch], min(two) / min(one)))
-    print(f"threads {args.threads} in all (TP=2: {args.threads // 2} per rank), dtype {args.dtype}, "
-          f"{args.steps} decode steps after a {PROMPT_LEN}-token prefill, {args.rounds} rounds alternating")
-    print("| model | batch | TP=1 ms/step | TP=2 ms/step | of which rank 0 in collectives | TP=2 / TP=1 (best) |")
-    print("|---|---:|---|---|---|---:|")
-    for size, batch, one, two, wait, ratio in rows:
-        def fmt(values):
-            return ", ".join(f"{v:.2f}" for v in values)
-        print(f"| {size} | {batch} | {fmt(one)} | {fmt(two)} | {fmt(wait)} | {ratio:.2f} |")
+                cells = [size, str(batch), *(_fmt(times[(tp, batch)]) for tp in tp_sizes)]
+                if 2 in tp_sizes:
+                    cells.append(_fmt(waits[batch]))
+                if both:
+                    cells.append(f"{min(times[(2, batch)]) / min(times[(1, batch)]):.2f}")
+                print("| " + " | ".join(cells) + " |", flush=True)
     return 0
+
+
+def _fmt(values: list[float]) -> str:
+    return ", ".join(f"{v:.2f}" for v in values)
 
 
 if __name__ == "__main__":

@@ -149,10 +149,9 @@ class LlamaForCausalLM(nn.Module):
         self.vocab = VocabShard.of(config.vocab_size, tp.rank, tp.size) if tp is not None else None
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, dtype, device)
         self.model = LlamaModel(config, attention, self.rotary, dtype, device, tp, self.vocab)
-        if not config.tie_word_embeddings and tp is None:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
-        elif not config.tie_word_embeddings:
-            self.lm_head = VocabParallelLMHead(config.hidden_size, self.vocab, dtype, device)
+        if not config.tie_word_embeddings:
+            self.lm_head = (Linear(config.hidden_size, config.vocab_size, False, dtype, device) if tp is None
+                            else VocabParallelLMHead(config.hidden_size, self.vocab, dtype, device))
         self._packed_lm_head: torch.Tensor | None = None
         attn = self.model.layers[0].self_attn
         self._fused_sizes = {  # this rank's sizes of the parts of the fused tensors
