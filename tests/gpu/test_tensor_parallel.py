@@ -164,6 +164,10 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def restarts(metrics: dict[str, float]) -> float:
+    return sum(v for k, v in metrics.items() if k.startswith("tidal:replica_restarts{"))
+
+
 def gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -188,7 +192,7 @@ def test_a_killed_rank_fails_its_streams_and_restarts_bring_the_replica_back():
         wait_until(lambda: gone(engine), 10, "rank 0 exits after its rank 1 died")
         assert "tensor-parallel rank 1" in server.log() and "SIGKILL" in server.log()
 
-        poll(server, lambda m: m["tidal:replicas_live"] == 1, timeout=60)
+        poll(server, lambda m: m["tidal:replicas_live"] == 1 and restarts(m) == 1, timeout=60)
         new_engine = server.engine_pid()
         assert new_engine != engine and len(rank_pids(new_engine)) == 1 and scrape_health(server) == 200
         ok = RawHttp(server.port, "/v1/completions", completion_body(unique_prompt(8, seed=2), 4, stream=False))
@@ -199,7 +203,7 @@ def test_a_killed_rank_fails_its_streams_and_restarts_bring_the_replica_back():
         (new_rank,) = rank_pids(new_engine)
         os.kill(new_engine, signal.SIGKILL)
         wait_until(lambda: gone(new_rank), 10, "rank 1 dies with its rank 0")
-        poll(server, lambda m: m["tidal:replicas_live"] == 1, timeout=60)
+        poll(server, lambda m: m["tidal:replicas_live"] == 1 and restarts(m) == 2, timeout=60)
     assert server.process.returncode == 0
 
 
@@ -251,35 +255,50 @@ def test_two_replicas_of_two_ranks_each_meet_at_their_own_port_and_both_serve():
 
 
 @pytest.mark.slow
-def test_two_nodes_on_loopback_serve_and_shut_down_together(served_model):
+def test_two_nodes_on_loopback_serve_restart_and_shut_down_together(served_model, tmp_path):
     import openai
+    from tokenizers import Tokenizer
+
+    from cancellation.cancel_helpers import poll
 
     port = str(free_port())
     node_flags = ("--model", served_model, "--tensor-parallel-size", "2", "--dtype", "float32", "--nnodes", "2",
-                  "--master-addr", "127.0.0.1", "--master-port", port)
+                  "--master-addr", "127.0.0.1", "--master-port", port, "--engine-restarts", "1")
+    node1_log = open(tmp_path / "node1.log", "w+")
     node1 = subprocess.Popen([sys.executable, "-m", "tidal", "serve", *node_flags, "--node-rank", "1"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             stdout=node1_log, stderr=subprocess.STDOUT)
+    expected = Tokenizer.from_file(os.path.join(served_model, "tokenizer.json")).decode(
+        hf_greedy(load_hf_model(served_model), PROMPTS[0], NUM_NEW_TOKENS))
+
+    def complete(server) -> str:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        return client.completions.create(model=served_model, prompt=PROMPTS[0], max_tokens=NUM_NEW_TOKENS,
+                                         temperature=0).choices[0].text
+
     try:
         with LiveServer(*node_flags, "--node-rank", "0") as server:
-            # node 0 started no rank of its own beside rank 0: node 1's launcher holds rank 1
-            assert rank_pids(server.engine_pid()) == []
-            assert len(psutil.Process(node1.pid).children()) == 1  # `tidal serve` became the node's launcher
-            client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
-            completion = client.completions.create(model=served_model, prompt=PROMPTS[0],
-                                                   max_tokens=NUM_NEW_TOKENS, temperature=0)
-            assert completion.usage.completion_tokens == NUM_NEW_TOKENS
-            expected = hf_greedy(load_hf_model(served_model), PROMPTS[0], NUM_NEW_TOKENS)
-            from tokenizers import Tokenizer
+            # node 0 runs rank 0 only; `tidal serve --node-rank 1` became node 1's launcher of rank 1
+            engine = server.engine_pid()
+            assert rank_pids(engine) == []
+            (rank1,) = psutil.Process(node1.pid).children()
+            assert complete(server) == expected
 
-            tokenizer = Tokenizer.from_file(os.path.join(served_model, "tokenizer.json"))
-            assert completion.choices[0].text == tokenizer.decode(expected)
+            # rank 0 dies: node 1's rank fails its next broadcast, its launcher starts it again, and
+            # it meets the restarted rank 0 at the same port
+            os.kill(engine, signal.SIGKILL)
+            wait_until(lambda: gone(rank1.pid), 10, "rank 1 leaves when rank 0 is gone")
+            poll(server, lambda m: m["tidal:replicas_live"] == 1 and restarts(m) == 1, timeout=60)
+            assert complete(server) == expected
         # node 0 shut down: rank 0 told rank 1, and the headless node exits cleanly
         assert node1.wait(timeout=30) == 0
-        assert "headless" in node1.stdout.read()
+        node1_log.seek(0)
+        text = node1_log.read()
+        assert "headless" in text and "restarting its ranks" in text and "Traceback" not in text, text
     finally:
         if node1.poll() is None:
             node1.kill()
             node1.wait()
+        node1_log.close()
 
 
 # ---------------------------------------------------------------------- sizes that do not split

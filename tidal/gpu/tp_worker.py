@@ -74,10 +74,14 @@ def run_rank() -> int:
         torch.set_num_threads(config.num_threads)
     runner = ModelRunner(config, tp_rank=rank)
     tp = runner.tp
-    with torch.inference_mode():
-        while (batch := tp.receive_batch()) is not None:
-            hidden = runner.model(batch, runner.kv_caches)
-            runner.model.compute_logits(hidden[batch.logits_indices])  # sends this rank's vocab slice
+    try:
+        with torch.inference_mode():
+            while (batch := tp.receive_batch()) is not None:
+                hidden = runner.model(batch, runner.kv_caches)
+                runner.model.compute_logits(hidden[batch.logits_indices])  # sends this rank's vocab slice
+    except RuntimeError as exc:  # a peer is gone (gloo: its socket closed; NCCL: the timeout): one line
+        logging.getLogger("tidal.engine").error("leaving: a collective failed: %s", str(exc).splitlines()[0])
+        return 1
     tp.close()
     return 0
 
