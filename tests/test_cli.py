@@ -22,7 +22,7 @@ def test_help_explains_every_flag():
                  "--scheduling-policy", "--max-queue-wait", "--max-stream-buffer-bytes", "--stream-stall-timeout",
                  "--shutdown-timeout", "--attention-backend", "--revision", "--download-dir", "--data-parallel-size",
                  "--engine-restarts", "--tensor-parallel-size", "--tp-size", "--nnodes", "--node-rank",
-                 "--master-addr", "--master-port"):
+                 "--master-addr", "--master-port", "--dist-init-addr"):
         assert flag in out, flag
     text = " ".join(out.split())  # argparse wraps the help lines
     assert "requests without a 'seed' (default 0)" in text
@@ -70,6 +70,7 @@ def test_tensor_parallel_flags_that_cannot_work_are_refused_before_anything_star
         (("--tp-size", "2", "--nnodes", "3"), "--nnodes must be at least 1 and divide --tensor-parallel-size (2)"),
         (("--tp-size", "2", "--nnodes", "2", "--node-rank", "2"), "--node-rank must be in [0, --nnodes) = [0, 2)"),
         (("--master-port", "65535", "--dp-size", "2"), "--master-port (+ replicas - 1) must be a port number"),
+        (("--dist-init-addr", "10.0.0.1"), "--dist-init-addr must be HOST:PORT, not '10.0.0.1'"),
     ]:
         result = run_serve(*args)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)

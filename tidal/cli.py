@@ -76,6 +76,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--master-port", type=int, default=None,
                    help="Rendezvous port on node 0; replica k uses this + k. Default: a free port on one node, "
                         "29500 with --nnodes > 1.")
+    g.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="SGLang's spelling of --master-addr HOST --master-port PORT.")
     g.add_argument("--engine-restarts", type=int, default=None,
                    help="Times a dead engine replica is restarted in a row (backoff 1, 2, 4 ... s) before it "
                         "is given up. Default: 5 with --data-parallel-size > 1; 0 with one replica, which "
@@ -200,6 +202,11 @@ def _check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         p.error(f"--nnodes must be at least 1 and divide --tensor-parallel-size ({args.tensor_parallel_size})")
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank must be in [0, --nnodes) = [0, {args.nnodes})")
+    if args.dist_init_addr is not None:
+        host, _, port = args.dist_init_addr.rpartition(":")
+        if not host or not port.isdigit():
+            p.error(f"--dist-init-addr must be HOST:PORT, not {args.dist_init_addr!r}")
+        args.master_addr, args.master_port = host, int(port)
     if args.master_port is not None and not 0 < args.master_port + args.data_parallel_size - 1 < 65536:
         p.error("--master-port (+ replicas - 1) must be a port number, 1-65535")
 
