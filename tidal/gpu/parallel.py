@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import msgspec
@@ -164,6 +165,21 @@ class TensorParallel:
                     process.kill()
                     process.wait()
         dist.destroy_process_group()
+
+    def dead_rank(self, wait: float = 1.0) -> str | None:
+        """Which rank this process started has exited, if one has or does within ``wait`` seconds.
+
+        A failed collective is most often a dead peer, and its exit says more than the socket error.
+        (``returncode`` is set by the watch thread: ``poll()`` cannot see past its ``wait()``.)
+        """
+        deadline = time.monotonic() + wait
+        while True:
+            for r, process in self.processes.items():
+                if process.returncode is not None:
+                    return f"tensor-parallel rank {r} (pid {process.pid}) exited with {_describe(process.returncode)}"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
 
     def _watch(self, rank: int, process) -> None:
         code = process.wait()

@@ -69,7 +69,10 @@ def run_engine_process(in_fd: int, out_fd: int) -> int:
         _loop(engine, inbox, outbox)
     except Exception as exc:
         traceback.print_exc()
-        outbox.put_control(EngineFailed(f"{type(exc).__name__}: {exc}"))
+        why = f"{type(exc).__name__}: {exc}"
+        if engine.runner.tp is not None:  # a collective that failed: most often a rank that died
+            why = engine.runner.tp.dead_rank() or why
+        outbox.put_control(EngineFailed(why))
         outbox.close()
         return 1
     outbox.close()
