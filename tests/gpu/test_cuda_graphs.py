@@ -93,6 +93,8 @@ def generate(engine: Engine, max_tokens: list[int]) -> dict[int, list[int]]:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the interpreter would take over every kernel in this process; the CUDA tests below run")
 def test_padded_static_buffers_give_the_eager_tokens():
     config = EngineConfig(model="tidal-tiny", dtype="float32", attention_backend="triton", num_kv_blocks=32,
                           block_size=16)
@@ -110,9 +112,9 @@ def test_padded_static_buffers_give_the_eager_tokens():
 
 @needs_cuda
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graph_replay_gives_the_eager_greedy_tokens_on_cuda(dtype):
-    config = EngineConfig(model="tidal-tiny", dtype=dtype, device="cuda", num_kv_blocks=64, block_size=16,
+def test_graph_replay_gives_the_eager_greedy_tokens_on_cuda():
+    # float32: a padded batch may pick another GEMM algorithm, and in bf16 that can flip a near tie
+    config = EngineConfig(model="tidal-tiny", dtype="float32", device="cuda", num_kv_blocks=64, block_size=16,
                           max_num_seqs=8)
     max_tokens = [6, 12, 9]
     eager = generate(Engine(msgspec_replace(config, enforce_eager=True)), max_tokens)
@@ -124,8 +126,11 @@ def test_graph_replay_gives_the_eager_greedy_tokens_on_cuda(dtype):
 
 @needs_cuda
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_graph_replay_gives_the_eager_logits_on_cuda():
-    engine = Engine(EngineConfig(model="tidal-tiny", dtype="float32", device="cuda", num_kv_blocks=64,
+# bf16: 3 rows eager and 4 rows replayed may round differently in the GEMMs (seen on CPU: 0.07 on
+# logits of std ~3); attending to the wrong context or row would be off by whole units
+@pytest.mark.parametrize("dtype, atol, rtol", [("float32", 1e-3, 1e-3), ("bfloat16", 0.25, 5e-2)])
+def test_graph_replay_gives_the_eager_logits_on_cuda(dtype, atol, rtol):
+    engine = Engine(EngineConfig(model="tidal-tiny", dtype=dtype, device="cuda", num_kv_blocks=64,
                                  block_size=16, max_num_seqs=4))
     runner = engine.runner
     inputs = runner.cuda_graphs.inputs
@@ -139,7 +144,8 @@ def test_graph_replay_gives_the_eager_logits_on_cuda():
         replayed = runner.cuda_graphs.run(batch)
 
     assert inputs.slot_mapping[3].item() == -1
-    torch.testing.assert_close(replayed, eager, atol=1e-3, rtol=1e-3)
+    assert replayed.shape == (3, engine.runner.model_config.vocab_size)
+    torch.testing.assert_close(replayed, eager, atol=atol, rtol=rtol)
 
 
 def msgspec_replace(config: EngineConfig, **changes) -> EngineConfig:
