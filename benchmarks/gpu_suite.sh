@@ -14,6 +14,7 @@ set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export TIDAL_CPU_KERNELS=0  # the session-start build of the CPU kernels (tests/conftest.py) is not needed here
 PY=${PYTHON:-python3}
 if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_suite: CUDA is not available here; nothing run." | tee "$OUT/summary.txt"
@@ -31,7 +32,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.txt
     [ $rc -eq 0 ] || status=1
 }
 {
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.memory --format=csv
     $PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$OUT/summary.txt"
 
