@@ -20,6 +20,9 @@ no 16 GB checkpoint is written or read. The tokenizer is a word-level one with 1
    batch at the same context (graph replay) = the overhead not hidden behind the forward.
    Once with CUDA graphs and once with ``--enforce-eager``.
 
+Part 1 also replays graphs captured with RMSNorm and rotary on their torch ops (what the CUDA
+model ran before they moved onto the Triton kernels), side by side in the same run.
+
 ``--shape tiny --device cpu`` runs the same harness on a 2-layer model on a CPU (no graphs):
 a check that the script works, not a figure.
 """
@@ -69,6 +72,8 @@ def parse_args(argv):
     p.add_argument("--engine-steps", type=int, default=50)
     p.add_argument("--skip-forward", action="store_true")
     p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--skip-torch-layers", action="store_true",
+                   help="skip the graph replay with RMSNorm/rotary on torch ops (the before figure)")
     p.add_argument("--shape", choices=["8b", "tiny"], default="8b")
     p.add_argument("--device", default="cuda")
     return p.parse_args(argv)
@@ -221,10 +226,45 @@ def bench_forward(args, model_dir: str, device: torch.device, bandwidth: float) 
               f"{eager_ms / graph_ms:>10.2f}x {weights / 1e9:>10.2f} {kv / 1e9:>7.2f} {same:>8.3f}")
     print("floor = (weights read + K/V read + fp32 logits written) / measured copy bandwidth; "
           "argmax = = share of rows whose greedy token is the same eager and replayed")
+    if graphs is not None and not args.skip_torch_layers:
+        graphs = None  # the comparison captures its own graphs in the freed memory
+        compare_torch_layers(args, runner, num_blocks, block_size, device)
     del runner, model, graphs
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def compare_torch_layers(args, runner, num_blocks: int, block_size: int, device: torch.device) -> None:
+    """Graph replay with RMSNorm and rotary on their torch ops (as before the Triton kernels were
+    wired into the CUDA model), side by side with the figures above."""
+    from tidal.gpu.cuda_graphs import CudaGraphs
+    from tidal.gpu.layers import RMSNorm
+
+    model = runner.model
+    with_kernels = {}
+    for batch in args.batches:
+        fb = decode_batch(batch, args.context, num_blocks, block_size, runner.model_config.vocab_size, device)
+        with torch.inference_mode():
+            with_kernels[batch] = time_ms(lambda: runner.cuda_graphs.run(fb), device, args.iters)
+    runner.cuda_graphs = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module._kernels = None
+    model.rotary._kernels = None
+    graphs = CudaGraphs(model, runner.kv_caches, sorted(set(args.batches)), -(-runner.max_model_len // block_size),
+                        block_size, device)
+    graphs.capture()
+    print("\n   graph replay, RMSNorm + rotary on Triton kernels vs on torch elementwise ops (same run):")
+    print(f"{'batch':>6} {'triton ms':>10} {'torch ms':>9} {'torch/triton':>12}")
+    for batch in args.batches:
+        fb = decode_batch(batch, args.context, num_blocks, block_size, runner.model_config.vocab_size, device)
+        with torch.inference_mode():
+            torch_ms = time_ms(lambda: graphs.run(fb), device, args.iters)
+        print(f"{batch:>6} {with_kernels[batch]:>10.3f} {torch_ms:>9.3f} {torch_ms / with_kernels[batch]:>11.2f}x")
+    del graphs
 
 
 # ------------------------------------------------------------------ 2. the engine

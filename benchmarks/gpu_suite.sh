@@ -40,5 +40,5 @@ step graph_tests "${T_GRAPH_TESTS:-100}" $PY -m pytest -q -p no:cacheprovider te
 step gpu_decode "${T_GPU_DECODE:-200}" $PY benchmarks/gpu_decode.py ${GPU_DECODE_ARGS:-}
 step kernels_gpu "${T_KERNELS_GPU:-90}" $PY benchmarks/kernels_gpu.py --contexts 1024 4096 --batches 1 16 64 256 \
     --e2e-batches 1 32 128
-step kernel_tests "${T_KERNEL_TESTS:-100}" $PY -m pytest -q -p no:cacheprovider tests/kernels
+step kernel_tests "${T_KERNEL_TESTS:-100}" $PY -m pytest -q -p no:cacheprovider ${KERNEL_TEST_PATHS:-tests/kernels}
 exit $status
