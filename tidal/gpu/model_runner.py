@@ -76,9 +76,13 @@ class ModelRunner:
 
     def _capture_cuda_graphs(self) -> CudaGraphs | None:
         """Decode graphs on CUDA with the Triton kernels (the torch backend's decode plan reads
-        lengths on the host, so it cannot be captured), unless ``--enforce-eager``."""
+        lengths on the host, so it cannot be captured), unless ``--enforce-eager``.
+
+        Not with tensor parallelism (a ``tp`` group, tidal/gpu/parallel.py): every rank would have
+        to replay the same padded size for the collectives to match, and that is untested on GPUs.
+        """
         if (self.device.type != "cuda" or self.config.enforce_eager or self.attention.name != "triton"
-                or isinstance(self.model, SyntheticModel)):
+                or isinstance(self.model, SyntheticModel) or getattr(self, "tp", None) is not None):
             return None
         graphs = CudaGraphs(self.model, self.kv_caches, capture_sizes(self.config.max_num_seqs),
                             -(-self.max_model_len // self.block_size), self.block_size, self.device)
