@@ -92,8 +92,10 @@ def make_model_dir(path: Path, config: dict) -> str:
     return str(path)
 
 
-def random_model(model_dir: str, dtype: torch.dtype, device: torch.device, attention):
+def random_model(model_dir: str, dtype: torch.dtype, device: torch.device, attention, tp=None):
     """Stands in for ``model_loader.load_model``: the same model class, random weights drawn in place."""
+    if tp is not None:
+        raise ValueError("gpu_decode.py runs one rank: no tensor parallelism")
     config = ModelConfig.from_dir(model_dir)
     model = LlamaForCausalLM(config, attention, dtype=dtype, device=device)
     generator = torch.Generator(device).manual_seed(0)
