@@ -301,6 +301,15 @@ def test_two_nodes_on_loopback_serve_restart_and_shut_down_together(served_model
         node1_log.close()
 
 
+def test_a_headless_node_whose_ranks_cannot_start_gives_up_with_code_3():
+    result = subprocess.run([sys.executable, "-m", "tidal", "serve", "--model", "/no/such/model",
+                             "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
+                             "--master-port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3
+    assert "cannot start: FileNotFoundError: no model directory '/no/such/model'" in result.stderr
+    assert "ranks [1] failed and --engine-restarts 0 is used up; giving up" in result.stderr and "Traceback" not in result.stderr
+
+
 # ---------------------------------------------------------------------- sizes that do not split
 
 

@@ -72,7 +72,11 @@ def run_rank() -> int:
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    runner = ModelRunner(config, tp_rank=rank)
+    try:
+        runner = ModelRunner(config, tp_rank=rank)
+    except (ValueError, OSError) as exc:  # a bad flag or path on this node needs no traceback
+        logging.getLogger("tidal.engine").error("cannot start: %s: %s", type(exc).__name__, exc)
+        return 1
     tp = runner.tp
     try:
         with torch.inference_mode():
@@ -139,7 +143,8 @@ def run_node(config: EngineConfig, num_replicas: int, max_restarts: int) -> int:
                     _stop(processes)
                     failures[k] += 1
                     if failures[k] > max_restarts:
-                        log.error("replica %d: ranks %s failed %d times; giving up", k, list(ranks), failures[k])
+                        log.error("replica %d: ranks %s failed and --engine-restarts %d is used up; giving up",
+                                  k, list(ranks), max_restarts)
                         del running[k]
                         code = 3
                         continue
