@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.gpu.forward_batch import ForwardBatch
-from tidal.gpu.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, pack_weight, packed_linear
+from tidal.gpu.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.parallel_layers import (ParallelGatedMLP, VocabParallelLMHead, VocabShard, attention_projections,
                                        head_shard, vocab_parallel_embedding)
@@ -152,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = (Linear(config.hidden_size, config.vocab_size, False, dtype, device) if tp is None
                             else VocabParallelLMHead(config.hidden_size, self.vocab, dtype, device))
-        self._packed_lm_head: torch.Tensor | None = None
+        self._packed_lm_head: Linear | None = None
         attn = self.model.layers[0].self_attn
         self._fused_sizes = {  # this rank's sizes of the parts of the fused tensors
             "qkv_proj": (attn.q_size, attn.kv_size, attn.kv_size),
@@ -187,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits [N, vocab] of the rows of ``forward``'s output that sample (tensor-parallel:
         on rank 0; the other ranks return None after sending their vocabulary slice)."""
         if self._packed_lm_head is not None:
-            logits = packed_linear(hidden_rows, self._packed_lm_head, None).float()
+            logits = self._packed_lm_head(hidden_rows).float()
         else:
             logits = F.linear(hidden_rows, self.lm_head_weight).float()
         if self.tp is None:
@@ -201,9 +201,9 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         if self.config.tie_word_embeddings:
             # the embedding lookup still needs the plain table: the head gets its own packed copy
-            self._packed_lm_head = pack_weight(self.model.embed_tokens)
+            self._packed_lm_head = Linear.packed_from(self.model.embed_tokens)
         else:
-            self._packed_lm_head = self.lm_head.packed
+            self._packed_lm_head = self.lm_head
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters (casting to the model dtype).
