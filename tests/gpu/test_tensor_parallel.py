@@ -106,6 +106,22 @@ def test_each_rank_holds_only_its_shard(hf_model_dir):
         runner.tp.close()
 
 
+def test_shards_are_packed_like_whole_layers(hf_model_dir):
+    """bf16 on a CPU that packs weights: every shard (a layers.Linear) is packed, as one rank's layers are."""
+    from tidal.gpu.layers import Linear, packs_weights
+    from tidal.gpu.model_runner import ModelRunner
+
+    if not packs_weights(torch.bfloat16, "cpu"):
+        pytest.skip("this CPU does not prepack bf16 weights")
+    runner = ModelRunner(EngineConfig(model=hf_model_dir("qwen2"), dtype="bfloat16", tensor_parallel_size=2,
+                                      num_kv_blocks=16))
+    try:
+        linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+        assert len(linears) > 4 and all(m.weight is None for m in linears)  # only the packed layouts remain
+    finally:
+        runner.tp.close()
+
+
 # ---------------------------------------------------------------------- served
 
 
