@@ -146,6 +146,17 @@ def cpu_layer_ops(dtype: torch.dtype, device: torch.device | str):
     return load_cpu_ops()
 
 
+def cuda_layer_kernels(device: torch.device | str):
+    """``tidal.kernels`` (the Triton fused add+RMSNorm and rotary) for a CUDA model when triton is
+    installed, else None. One kernel each instead of five to eight elementwise launches: that is
+    most of a CUDA-graph decode step's time at small batches besides the weights (docs/kernels.md)."""
+    from tidal import kernels
+
+    if torch.device(device).type != "cuda" or not kernels.HAS_TRITON:
+        return None
+    return kernels
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, cast back before the weight (the Hugging Face convention).
 
@@ -158,10 +169,13 @@ class RMSNorm(nn.Module):
         self.weight = _empty_parameter((size,), dtype, device)
         self.eps = eps
         self._ops = cpu_layer_ops(dtype, device)
+        self._kernels = cuda_layer_kernels(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._ops is not None:
             return self._ops.rms_norm(x, self.weight, self.eps)
+        if self._kernels is not None and x.dim() == 2 and x.stride(1) == 1:
+            return self._kernels.rms_norm(x, self.weight, self.eps)[0]
         if x.dtype == torch.float32:
             # one fused kernel instead of four elementwise passes; same math in float32
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -173,6 +187,8 @@ class RMSNorm(nn.Module):
     def add_norm(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self._ops is not None:
             return self._ops.add_rms_norm_(residual, x, self.weight, self.eps)
+        if self._kernels is not None and x.dim() == 2 and x.stride(1) == 1 and residual.stride(1) == 1:
+            return self._kernels.rms_norm(x, self.weight, self.eps, residual, residual_out=residual)[0]
         return self(residual.add_(x))
 
 
@@ -236,6 +252,7 @@ class RotaryEmbedding:
         self._inv_freq_cpu = rotary_inv_freq(head_dim, theta, scaling)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self._ops = cpu_layer_ops(dtype, device)
+        self._kernels = cuda_layer_kernels(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape [T, head_dim] for ``positions`` [T]."""
@@ -251,6 +268,10 @@ class RotaryEmbedding:
         if self._ops is not None and q.dtype == cos.dtype:
             self._ops.rotary_(q, k, cos, sin)
             return q, k
+        if self._kernels is not None:
+            # cos/sin are cat(c, c) per token: the kernel takes the first half of each row
+            half = self.head_dim // 2
+            return self._kernels.rotary_embedding(None, q, k, cos[:, :half], sin[:, :half])
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
