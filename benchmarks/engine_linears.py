@@ -55,7 +55,8 @@ def main() -> None:
     for r in range(args.rounds):
         for i, (name, engine) in enumerate(engines.items()):
             cpu, wall = time.process_time(), time.perf_counter()
-            run_tidal(engine, make_prompts(args.batch, args.input_len, seed=r), args.output_len, (2 * r + i + 1) * 100_000)
+            prompts = make_prompts(args.batch, args.input_len, seed=r)
+            run_tidal(engine, prompts, args.output_len, (2 * r + i + 1) * 100_000)
             cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
             print(f"| {r} | {name} | {wall:.2f} | {tokens / wall:.0f} | {cpu / tokens * 1e3:.2f} | "
                   f"{os.getloadavg()[0]:.1f} |", flush=True)
