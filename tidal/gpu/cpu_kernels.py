@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -81,7 +82,7 @@ def _load():
         # checkout's path so two checkouts (whose build files name different source paths) do not
         # rebuild over each other in torch's shared extension cache
         digest = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
-                                + str(_CSRC).encode()).hexdigest()[:10]
+                                + str(_CSRC).encode() + " ".join(flags).encode()).hexdigest()[:10]
         name = f"tidal_cpu_{isa}_{digest}"
         building = not _is_built(cpp_extension, name)
         if building:  # at WARNING: the engine's default level, and the start is silent for this long
@@ -90,6 +91,7 @@ def _load():
             name=name,
             sources=[str(path) for path in _SOURCES],
             extra_cflags=flags,
+            extra_ldflags=[flag for flag in flags if flag == "-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
@@ -122,11 +124,14 @@ def _reason(message: str) -> str:
 
 
 def _compile_flags() -> tuple[str, list[str]]:
-    """(ISA tag, flags): AVX2+FMA when this CPU has them, else the compiler's portable default."""
+    """(ISA tag, flags): AVX2+FMA when this CPU has them, else the compiler's portable default; on Linux
+    with OpenMP, whose pragma ``at::parallel_for`` needs (without ``-fopenmp`` every kernel's
+    ``at::parallel_for`` ran on one thread: its header falls back to a plain call)."""
     try:
         cpu_flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         cpu_flags = set()
+    openmp = ["-fopenmp"] if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else []
     if {"avx2", "fma"} <= cpu_flags:
-        return "avx2", ["-O3", "-mavx2", "-mfma"]
-    return "generic", ["-O3"]
+        return "avx2", ["-O3", "-mavx2", "-mfma", *openmp]
+    return "generic", ["-O3", *openmp]
