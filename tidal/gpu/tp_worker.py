@@ -86,7 +86,8 @@ def run_rank() -> int:
                 runner.model.compute_logits(hidden[batch.logits_indices])  # sends this rank's vocab slice
     except RuntimeError as exc:  # a peer is gone (gloo: its socket closed; NCCL: the timeout): one line
         logging.getLogger("tidal.engine").error("leaving: a collective failed: %s", str(exc).splitlines()[0])
-        return 1
+        logging.shutdown()
+        os._exit(1)  # the group is broken: its teardown (atexit) would only wait on the dead peer
     tp.close()
     return 0
 
