@@ -2,7 +2,9 @@
 
 The only engine module that touches torch tensors on the hot path besides the model and
 the sampler. The attention backend (torch on CPU, Triton kernels on CUDA) is chosen once,
-in ``tidal.gpu.attention.select_attention_backend``.
+in ``tidal.gpu.attention.select_attention_backend``. On CUDA with the Triton kernels, decode-only
+steps replay CUDA graphs captured here at start (``tidal.gpu.cuda_graphs``; ``--enforce-eager``
+turns them off).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import torch
 
 from tidal.gpu.attention import select_attention_backend
+from tidal.gpu.cuda_graphs import CudaGraphs, capture_sizes
 from tidal.gpu.forward_batch import ForwardBatch
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import load_model, resolve_model_dir
@@ -38,18 +41,27 @@ def resolve_device(name: str, data_parallel_rank: int = 0) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp_rank: int = 0):
         self.config = config
-        self.device = resolve_device(config.device, config.data_parallel_rank)
+        per_node = config.tensor_parallel_size // config.nnodes  # 1 without tensor parallelism
+        self.device = resolve_device(config.device, config.data_parallel_rank * per_node + tp_rank % per_node)
         self.dtype, self.dtype_reason = resolve_dtype(config.dtype, self.device)
-        log.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), self.dtype_reason)
         self.model_dir = resolve_model_dir(config.model)
+        self.tp = None  # this rank's parallel.TensorParallel, with --tensor-parallel-size > 1
+        if config.tensor_parallel_size > 1:
+            from tidal.gpu.parallel import join_group
+
+            self.tp = join_group(config, tp_rank, self.model_dir, self.dtype, self.device)
+            self.dtype, config = self.tp.dtype, self.tp.config  # rank 0's: every rank computes alike
+            self.config = config
+        log.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), self.dtype_reason)
         self.attention = select_attention_backend(config.attention_backend, self.device)
         if config.model == SYNTHETIC_MODEL_NAME:
             self.model_config = ModelConfig.from_dir(self.model_dir)
             self.model = SyntheticModel(self.model_config, self.device)
         else:
-            self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, self.attention)
+            self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, self.attention,
+                                                       self.tp)
         mc = self.model_config
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -58,25 +70,51 @@ class ModelRunner:
                 f"--max-model-len {config.max_model_len} exceeds the model's "
                 f"max_position_embeddings ({mc.max_position_embeddings})"
             )
-        bytes_per_block = 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        # each rank caches only its own KV heads; --kv-cache-memory is per rank
+        num_kv_heads = mc.num_kv_heads if self.tp is None else self.model.model.layers[0].self_attn.num_kv_heads
+        bytes_per_block = 2 * mc.num_layers * self.block_size * num_kv_heads * mc.head_dim * self.dtype.itemsize
         self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
+        if self.tp is not None:
+            self.num_blocks = self.tp.broadcast_int(self.num_blocks)  # rank 0 decides; all ranks agree
+            if self.tp.rank == 0:  # each batch goes to the other ranks as it is built
+                self._prepare = self.tp.broadcasting(self._prepare)
         if self.num_blocks * self.block_size < self.max_model_len:
             # a request longer than the whole cache could never run: cap the length instead
             log.warning("KV cache holds %d tokens: max_model_len lowered from %d",
                         self.num_blocks * self.block_size, self.max_model_len)
             self.max_model_len = self.num_blocks * self.block_size
-        shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (self.num_blocks, self.block_size, num_kv_heads, mc.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(mc.num_layers)
         ]
+        self.cuda_graphs = self._capture_cuda_graphs()
+
+    def _capture_cuda_graphs(self) -> CudaGraphs | None:
+        """Decode graphs on CUDA with the Triton kernels (the torch backend's decode plan reads
+        lengths on the host, so it cannot be captured), unless ``--enforce-eager``.
+
+        Not with tensor parallelism (a ``tp`` group, tidal/gpu/parallel.py): every rank would have
+        to replay the same padded size for the collectives to match, and that is untested on GPUs.
+        """
+        if (self.device.type != "cuda" or self.config.enforce_eager or self.attention.name != "triton"
+                or isinstance(self.model, SyntheticModel) or getattr(self, "tp", None) is not None):
+            return None
+        graphs = CudaGraphs(self.model, self.kv_caches, capture_sizes(self.config.max_num_seqs),
+                            -(-self.max_model_len // self.block_size), self.block_size, self.device)
+        graphs.capture()
+        return graphs
 
     @torch.inference_mode()
     def execute(self, entries: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Run one forward pass; return the logits of the sequences that sample this step
         (those whose chunk reaches their last token, in entry order)."""
         batch = self._prepare(entries)
+        if self.cuda_graphs is not None:
+            logits = self.cuda_graphs.run(batch)
+            if logits is not None:
+                return logits
         hidden = self.model(batch, self.kv_caches)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
