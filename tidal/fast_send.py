@@ -100,6 +100,29 @@ class BodyWriter:
         await _locked_send(self._server, self._raw, b"%x\r\n%s\r\n" % (len(data), data))
         return True
 
+    def send_now(self, data: bytes) -> bytes | None:
+        """Offer one chunk to the kernel without waiting, from any task.
+
+        None: nothing was sent (a write in progress, the socket buffer full, the peer gone, or
+        the ASGI path needed): use ``write``. Otherwise the framed chunk's tail the kernel did not
+        take (b"" when it took all of it), which must go out (``write_framed``) before anything else.
+        No checkpoint in between, so no other write can come between the check and the send.
+        """
+        connection = self._h11.connection
+        if (connection.our_state is not self._send_body or type(connection._writer) is not self._chunked
+                or self._server.send_lock.locked()):
+            return None
+        framed = b"%x\r\n%s\r\n" % (len(data), data)
+        try:
+            sent = self._raw.send(framed)
+        except OSError:  # BlockingIOError included; a dead peer is met (and handled) by ``write``
+            return None
+        return framed[sent:]
+
+    async def write_framed(self, framed: bytes) -> None:
+        """The unsent tail ``send_now`` returned."""
+        await _locked_send(self._server, self._raw, framed)
+
 
 def body_writer(scope: dict) -> BodyWriter | None:
     """A direct writer for this HTTP/1.1 request's response body, or None (TLS, HTTP/2, not installed)."""
