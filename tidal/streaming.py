@@ -152,7 +152,7 @@ class SseBody:
             if self._unsent:
                 tail, self._unsent = self._unsent, b""
                 await self.writer.write_framed(tail)
-            elif self._direct and reader.caught_up:
+            elif self._direct and reader.caught_up and self.writer.ready():
                 mailbox.direct = self._offer
                 try:
                     await mailbox.wait()
