@@ -99,6 +99,7 @@ async def test_a_caught_up_stream_gets_its_frames_from_the_report_without_waking
     rid = request.request_id
     frames: list[bytes] = []
     async with trio.open_nursery() as nursery:
+        nursery.cancel_scope.deadline = trio.current_time() + 10  # a lost frame fails, not hangs
         nursery.start_soon(drain, body, frames)
         await trio.testing.wait_all_tasks_blocked()
         assert request.mailbox.direct is not None  # waiting, caught up: direct mode
@@ -119,7 +120,15 @@ async def test_a_frame_the_socket_takes_only_in_part_is_finished_before_the_next
     engine, request, body = await open_stream(server_sock)
     rid = request.request_id
     big = "x" * 300_000  # far more than the socket buffers hold
+    received = bytearray()
+
+    async def read_until(done) -> None:
+        while not done():
+            await trio.lowlevel.wait_readable(client_sock)
+            received.extend(client_sock.recv(1 << 20))
+
     async with trio.open_nursery() as nursery:
+        nursery.cancel_scope.deadline = trio.current_time() + 10  # a lost tail fails, not hangs
         nursery.start_soon(drain, body)
         await trio.testing.wait_all_tasks_blocked()
         engine._handle(StepReport([], [RequestOutput(rid, [6], big)], [], EngineStats()))
@@ -127,14 +136,11 @@ async def test_a_frame_the_socket_takes_only_in_part_is_finished_before_the_next
         assert request.mailbox.direct is None  # and nothing else goes direct until the tail is out
         engine._handle(StepReport([], [RequestOutput(rid, [7], " after")], [], EngineStats()))
         assert request.mailbox.has_pending  # queued behind the tail
-        received = bytearray()
-        while len(received) < len(big):  # the client reads; the task finishes the frame, then the next
-            await trio.lowlevel.wait_readable(client_sock)
-            received += client_sock.recv(1 << 20)
+        # the client reads: the task finishes the frame, then sends the next
+        await read_until(lambda: len(received) > len(big))
         engine._handle(StepReport([], [RequestOutput(rid, [8], "", "stop")], [], EngineStats()))
-        while not received.endswith(b"data: [DONE]\n\n\r\n"):
-            await trio.lowlevel.wait_readable(client_sock)
-            received += client_sock.recv(1 << 20)
+        await read_until(lambda: received.endswith(b"data: [DONE]\n\n\r\n"))
+    assert not nursery.cancel_scope.cancelled_caught
     sent = texts(read_chunks(bytes(received)))
     assert sent[:3] == ["first", big, " after"] and "".join(sent) == "first" + big + " after"
     assert body.reader.finish_reason == "stop" and body.reader.usage()["completion_tokens"] == 4
