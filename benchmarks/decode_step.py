@@ -1,12 +1,17 @@
 """One decode step of the model alone (forward + logits), against the host's weight-read floor.
 
     python benchmarks/decode_step.py [--sizes small] [--batches 1,16] [--dtypes float32,bfloat16]
-                                     [--context 128] [--steps 30] [--threads 2] [--profile]
+                                     [--context 128] [--steps 30] [--threads 2] [--linears onednn,gemv]
+                                     [--rounds 1] [--profile]
 
 Loads the benchmark model (``benchmarks/models.py``) the way the engine does, builds a decode
 batch of B sequences with ``--context`` tokens already cached, and times ``model(batch)`` plus
 ``compute_logits`` (no scheduler, sampler or detokenizer). The floor is the bytes of weights one
 step reads over the host's read bandwidth, measured in the same run by summing a 1 GiB tensor.
+``--linears`` compares bf16 linears side by side in one process, one model loaded per choice: ``onednn``
+(oneDNN on prepacked weights, the path before the kernel; ``TIDAL_CPU_GEMV=0``) and ``gemv`` (the
+AVX512-BF16 kernel of csrc/linear_bf16.cpp, the default where the CPU has it). ``--rounds`` repeats
+every row, interleaved, so a noisy host shows as spread, not as a difference.
 ``--profile`` prints torch.profiler's top operators for the last configuration.
 """
 
@@ -23,6 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 from models import make_model  # noqa: E402
+from tidal.gpu import layers  # noqa: E402
 from tidal.gpu.attention import TorchPagedAttention  # noqa: E402
 from tidal.gpu.forward_batch import ForwardBatch  # noqa: E402
 from tidal.gpu.model_loader import iter_safetensors, load_model  # noqa: E402
@@ -71,6 +77,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--linears", default="onednn,gemv", help="bf16 only: the linear kernels to compare")
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this process's CPU time (with --threads 1 it shrugs off a busy machine)")
@@ -81,15 +89,22 @@ def main() -> None:
     bandwidth = read_bandwidth()
     flags = sorted({f for f in open("/proc/cpuinfo").read().split() if f in ("avx2", "avx512f", "avx512_bf16",
                                                                            "amx_bf16")})
-    print(f"host flags: {' '.join(flags)}; torch threads {args.threads}; {args.clock} clock; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
-          f"context {args.context}\n")
-    print("| model | dtype | batch | step ms | weight MB | floor ms | step / floor | tok/s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print(f"host flags: {' '.join(flags)}; torch threads {args.threads}; {args.clock} clock; read bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s; context {args.context}; load average {os.getloadavg()[0]:.2f}\n")
+    print("| model | dtype | linears | batch | step ms | weight MB | floor ms | step / floor | tok/s |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for size in args.sizes.split(","):
         model_dir = make_model(size, os.path.join(args.model_dir, size))
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
-            model, config = load_model(model_dir, dtype, torch.device("cpu"), TorchPagedAttention("cpu"))
+            models = {}  # linears -> model
+            for linears in args.linears.split(",") if dtype == torch.bfloat16 else ["MKL"]:
+                layers.USE_GEMV = linears == "gemv"
+                model, config = load_model(model_dir, dtype, torch.device("cpu"), TorchPagedAttention("cpu"))
+                if linears == "gemv" and not any(getattr(m, "gemv_packed", None) is not None for m in model.modules()):
+                    print(f"({size}: no AVX512-BF16 kernel on this CPU, gemv row skipped)")
+                    continue
+                models[linears] = model
             # weights a decode step reads: all but the embedding table (one row each), unless tied
             weight_bytes = dtype.itemsize * sum(
                 t.numel() for n, t in iter_safetensors(model_dir)
@@ -100,31 +115,39 @@ def main() -> None:
                 caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
                           for _ in range(config.num_layers)]
                 fb = decode_batch(batch, args.context, config.vocab_size)
+                for _ in range(args.rounds):
+                    for linears, model in models.items():
+                        def step(model=model) -> None:
+                            hidden = model(fb, caches)
+                            model.compute_logits(hidden[fb.logits_indices])
 
-                def step() -> None:
-                    hidden = model(fb, caches)
-                    model.compute_logits(hidden[fb.logits_indices])
+                        median = time_steps(step, args.steps, clock)
+                        floor = weight_bytes / bandwidth
+                        print(f"| {size} | {dtype_name} | {linears} | {batch} | {median * 1e3:.2f} | "
+                              f"{weight_bytes / 1e6:.0f} | {floor * 1e3:.2f} | {median / floor:.2f}x | "
+                              f"{batch / median:.0f} |", flush=True)
+                if args.profile:
+                    from torch.profiler import ProfilerActivity, profile
 
-                with torch.inference_mode():
-                    for _ in range(3):
-                        step()
-                    times = []
-                    for _ in range(args.steps):
-                        start = clock()
-                        step()
-                        times.append(clock() - start)
-                    times.sort()
-                    median = times[len(times) // 2]
-                    floor = weight_bytes / bandwidth
-                    print(f"| {size} | {dtype_name} | {batch} | {median * 1e3:.2f} | {weight_bytes / 1e6:.0f} | "
-                          f"{floor * 1e3:.2f} | {median / floor:.2f}x | {batch / median:.0f} |", flush=True)
-                    if args.profile:
-                        from torch.profiler import ProfilerActivity, profile
+                    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                        for _ in range(10):
+                            step()
+                    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    print(f"\nafter the run: read bandwidth {read_bandwidth() / 1e9:.1f} GB/s, load average {os.getloadavg()[0]:.2f}")
 
-                        with profile(activities=[ProfilerActivity.CPU]) as prof:
-                            for _ in range(10):
-                                step()
-                        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+def time_steps(step, steps: int, clock) -> float:
+    """Median seconds of ``steps`` calls of ``step`` after three warm-up calls."""
+    with torch.inference_mode():
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(steps):
+            start = clock()
+            step()
+            times.append(clock() - start)
+    times.sort()
+    return times[len(times) // 2]
 
 
 if __name__ == "__main__":

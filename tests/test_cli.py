@@ -21,7 +21,7 @@ def test_help_explains_every_flag():
                  "--api-key", "--tokenizer-workers", "--device", "--dtype", "--max-queued-requests",
                  "--scheduling-policy", "--max-queue-wait", "--max-stream-buffer-bytes", "--stream-stall-timeout",
                  "--shutdown-timeout", "--attention-backend", "--revision", "--download-dir", "--data-parallel-size",
-                 "--engine-restarts"):
+                 "--engine-restarts", "--enforce-eager"):
         assert flag in out, flag
     text = " ".join(out.split())  # argparse wraps the help lines
     assert "requests without a 'seed' (default 0)" in text

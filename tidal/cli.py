@@ -54,6 +54,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "urgent arrival at a full queue evicts the least urgent waiting request (503).")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="auto: Triton kernels on CUDA, torch on CPU. Force either.")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: launch every step's kernels instead of replaying the decode steps' captured "
+                        "CUDA graphs (saves the graphs' memory and the capture at start). No effect on CPU.")
     g.add_argument("--engine-threads", type=int, default=None, help="torch threads in the engine (default: "
                    "torch's default, one per core).")
     g.add_argument("--seed", type=int, default=0, help="Engine RNG seed for requests without a 'seed' (default 0).")
@@ -132,6 +135,7 @@ def server_config(args: argparse.Namespace):
         scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         seed=args.seed,
         num_threads=args.engine_threads,
         min_step_time=args.min_step_time,

@@ -74,6 +74,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scheduling_policy: SchedulingPolicy = "fcfs"
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    # CUDA: run every step eagerly instead of replaying captured decode graphs
+    enforce_eager: bool = False
     seed: int = 0
     num_threads: int | None = None
     # which data-parallel replica this engine is (0..N-1): on CUDA it picks the replica's device

@@ -17,7 +17,7 @@ from hf_models import make_hf_model
 from tidal.gpu.attention import TorchPagedAttention
 from tidal.gpu.engine import Engine
 from tidal.gpu.forward_batch import ForwardBatch
-from tidal.gpu.layers import Linear
+from tidal.gpu.layers import Linear, gemv_ops
 from tidal.gpu.model_loader import load_model
 from tidal.gpu.precision import cpu_native_bf16, resolve_dtype
 from tidal.wire import AddRequest, EngineConfig, SamplingParams
@@ -99,9 +99,12 @@ def test_engine_greedy_tokens_are_transformers_bf16_choices(model_dir, hf_bf16):
 
 
 def test_bf16_on_cpu_uses_prepacked_weights_when_onednn_has_bf16(model_dir):
+    """Packed once at load, into one layout (two only with AMX): oneDNN's, or the AVX512-BF16 kernel's."""
     model, _ = load_model(model_dir, torch.bfloat16, torch.device("cpu"), TorchPagedAttention("cpu"))
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    packed = [m.packed is not None and m.weight is None for m in linears]
+    kernel = gemv_ops(torch.bfloat16, "cpu") is not None
+    packed = [m.weight is None and (m.gemv_packed is not None) == kernel
+              and (m.packed is not None) == (not kernel or cpu_native_bf16() == "amx_bf16") for m in linears]
     assert packed == [torch.ops.mkldnn._is_mkldnn_bf16_supported()] * len(linears)
 
 

@@ -1,4 +1,8 @@
-"""Run every Triton kernel on CPU through the Triton interpreter.
+"""Run every Triton kernel on CPU through the Triton interpreter, or compiled on the GPU when there is one.
+
+With CUDA present (and ``TIDAL_KERNEL_TESTS=interpret`` not set) nothing below touches the
+interpreter: the kernels compile for the GPU and every test's tensors are made there
+(``torch.set_default_device("cuda")``), so the same tests check the compiled kernels.
 
 ``TRITON_INTERPRET=1`` only affects functions decorated with ``@triton.jit`` after it is set, and
 that includes triton's own library (``tl.sum``, ``tl.max`` are jit functions decorated when
@@ -16,9 +20,14 @@ import sys
 
 import pytest
 
-os.environ["TRITON_INTERPRET"] = "1"
+import torch  # noqa: E402  (imports no triton)
 
-pytest.importorskip("triton", reason="the kernel tests run Triton kernels in the interpreter")
+ON_GPU = torch.cuda.is_available() and os.environ.get("TIDAL_KERNEL_TESTS") != "interpret"
+
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton", reason="the kernel tests run Triton kernels (in the interpreter without a GPU)")
 
 
 def _triton_is_interpreted() -> bool:
@@ -39,11 +48,9 @@ def _reimport_triton_in_interpreter_mode() -> None:
         del sys.modules[name]
 
 
-if not _triton_is_interpreted():
+if not ON_GPU and not _triton_is_interpreted():
     _reimport_triton_in_interpreter_mode()
     assert _triton_is_interpreted()
-
-import torch  # noqa: E402
 
 # tolerances per dtype: fp32 differs from the reference only by summation order; bf16 by the
 # rounding of probabilities / outputs to bf16 (8 mantissa bits; the interpreter also rounds
@@ -62,6 +69,17 @@ def tolerances():
 @pytest.fixture(autouse=True)
 def _seeded():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _on_the_gpu():
+    """Every tensor a test makes lives on the GPU when the kernels run compiled there."""
+    if not ON_GPU:
+        yield
+        return
+    torch.set_default_device("cuda")
+    yield
+    torch.set_default_device(None)
 
 
 class PagedKV:

@@ -96,3 +96,20 @@ def test_contexts_longer_than_one_partition_split_by_default(make_paged_kv, tole
     out = paged_decode_attention(*args)
 
     torch.testing.assert_close(out, paged_decode_attention_reference(*args), **tolerances[torch.float32])
+
+
+def test_a_block_table_padded_far_past_the_context_gives_the_same_answer(make_paged_kv, tolerances):
+    # a CUDA graph's static block table is as wide as the longest allowed context (here 96 blocks
+    # = 1536 tokens, so the default launch splits), whatever the batch's real lengths; the columns
+    # past a sequence hold stale block ids that must never be read
+    kv = make_paged_kv([37, 1, 300], 2, 64, 16, torch.float32)
+    wide = torch.randint(0, kv.k_cache.shape[0], (3, 96), dtype=torch.int32)
+    wide[:, : kv.block_tables.shape[1]] = kv.block_tables
+    query = torch.randn(3, 4, 64)
+    args = (query, kv.k_cache, kv.v_cache, wide, kv.seq_lens_tensor, 0.125)
+
+    out = paged_decode_attention(*args)
+
+    expected = paged_decode_attention_reference(query, kv.k_cache, kv.v_cache, kv.block_tables,
+                                                kv.seq_lens_tensor, 0.125)
+    torch.testing.assert_close(out, expected, **tolerances[torch.float32])

@@ -50,3 +50,19 @@ def test_reference_puts_each_row_at_its_slot_and_nothing_else():
     assert torch.equal(k_cache[0, 0], key[1]) and torch.equal(v_cache[0, 0], value[1])
     assert torch.equal(k_cache[3, 1], key[2]) and torch.equal(v_cache[3, 1], value[2])
     assert int((k_cache != 0).any(dim=(2, 3)).sum()) == 3
+
+
+def test_a_negative_slot_writes_nothing():
+    # the CUDA-graph runner pads a batch up to a captured size with rows whose slot is -1
+    block_size, num_kv_heads, head_dim = 16, 2, 64
+    key, value = _fused_kv(4, num_kv_heads, head_dim, torch.float32)
+    k_cache = torch.randn(3, block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([block_size + 3, -1, 5, -1])
+
+    reshape_and_cache(key, value, k_cache, v_cache, slots)
+
+    k_before[1, 3], v_before[1, 3] = key[0], value[0]
+    k_before[0, 5], v_before[0, 5] = key[2], value[2]
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)

@@ -66,3 +66,17 @@ def test_position_zero_is_the_identity():
     query_out, key_out = rotary_embedding(torch.tensor([0]), query, key, cos, sin)
     torch.testing.assert_close(query_out, query)
     torch.testing.assert_close(key_out, key)
+
+
+def test_per_token_cos_sin_rows_give_the_same_rotation(tolerances):
+    # the model computes cos/sin once per forward, one row per token: positions=None reads row t
+    positions = torch.tensor([0, 5, 63, 17])
+    query, key = _fused_qk(len(positions), 4, 2, 64, torch.bfloat16)
+    cos, sin = _cos_sin_caches(64)
+    per_token_cos = torch.cat((cos[positions], cos[positions]), dim=1)[:, :32]  # a strided [T, D/2] view
+    per_token_sin = torch.cat((sin[positions], sin[positions]), dim=1)[:, :32]
+
+    got = rotary_embedding(None, query, key, per_token_cos, per_token_sin)
+
+    for g, want in zip(got, rotary_embedding_reference(positions, query, key, cos, sin)):
+        torch.testing.assert_close(g, want, **tolerances[torch.bfloat16])

@@ -30,7 +30,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "layer_ops.cpp"]
+_SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "layer_ops.cpp", _CSRC / "linear_bf16.cpp"]
 _HEADERS = [_CSRC / "vec8.h"]
 _lock = threading.Lock()
 _loaded = False  # whether a load was attempted (its result, possibly None, is in _ops)

@@ -8,6 +8,7 @@ overwrite it would cost seconds on CPU.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -41,24 +42,96 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# Whether bf16 linears may use the hand-written AVX512-BF16 kernel (csrc/linear_bf16.cpp); read when a
+# Linear is packed. TIDAL_CPU_GEMV=0 keeps oneDNN everywhere (benchmarks compare the two).
+USE_GEMV = os.environ.get("TIDAL_CPU_GEMV", "1") != "0"
+# On a CPU with AMX, rows up to which the kernel runs; above, oneDNN's AMX GEMM on its own packed copy
+# (AMX's tiles do several times the arithmetic of AVX512-BF16 per cycle, so they win prefill). Without
+# AMX the kernel matches or beats oneDNN at every row count (docs/performance.md) and runs every call.
+AMX_GEMV_MAX_ROWS = 16
+GEMV_GROUP = 4  # blocks of 16 columns the kernel walks together (kMaxBlocks in csrc/linear_bf16.cpp)
+
+
+def gemv_ops(dtype: torch.dtype, device: torch.device | str):
+    """``torch.ops.tidal_cpu`` when its bf16 linear can run here (a bf16 model on a CPU with AVX512-BF16
+    and the kernels built, unless ``USE_GEMV`` is off), else None."""
+    if not USE_GEMV or torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        return None
+    from tidal.gpu.precision import cpu_native_bf16
+
+    if cpu_native_bf16() is None:  # amx_bf16 CPUs have avx512_bf16 too
+        return None
+    ops = cpu_layer_ops(dtype, device)
+    return ops if ops is not None and ops.linear_bf16_supported() else None
+
+
+def gemv_max_rows() -> int | None:
+    """Rows up to which a packed bf16 Linear runs the kernel, or None for every call (then no oneDNN copy)."""
+    from tidal.gpu.precision import cpu_native_bf16
+
+    return AMX_GEMV_MAX_ROWS if cpu_native_bf16() == "amx_bf16" else None
+
+
+def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] bf16 repacked for ``torch.ops.tidal_cpu.linear_bf16``: ``[ceil(N/16), ceil(K/2), 32]``.
+
+    A block of 16 output columns at one pair of inputs (2i, 2i+1) is 32 values, the 16 columns' two
+    weights side by side (w[c, 2i], w[c, 2i+1]): the operand of one ``_mm512_dpbf16_ps``. The kernel
+    walks 4 blocks (64 columns) at a time, so each group of 4 blocks is stored pair by pair, its 4
+    blocks interleaved: the group is one sequential stream of K/2 x 256 bytes (the last group holds
+    the 1-3 blocks left). N and K are zero-padded to whole blocks and pairs.
+    """
+    n, k = weight.shape
+    padded = F.pad(weight.detach(), (0, k % 2, 0, -n % 16))
+    blocks, pairs = padded.shape[0] // 16, padded.shape[1] // 2
+    per_block = padded.view(blocks, 16, pairs, 2).permute(0, 2, 1, 3).reshape(blocks, pairs, 32)
+    groups = [per_block[g : g + GEMV_GROUP].transpose(0, 1).reshape(-1) for g in range(0, blocks, GEMV_GROUP)]
+    return torch.cat(groups).view(blocks, pairs, 32)
+
+
 class Linear(nn.Module):
     """``y = x @ W.T + b`` with uninitialised parameters (filled by ``load_weights``).
 
-    After ``pack()`` the weight lives only in oneDNN's blocked layout (``packed``) and the
-    ``weight`` parameter is gone: packing is the last step of loading.
+    After ``pack()`` the weight lives only in packed layouts and the ``weight`` parameter is gone:
+    packing is the last step of loading. On a CPU with AVX512-BF16 a bf16 weight is packed for the
+    hand-written kernel (``gemv_packed``), which runs every call; with AMX too, oneDNN keeps a second
+    copy (``packed``) for the calls of more than ``AMX_GEMV_MAX_ROWS`` rows (prefill). Elsewhere
+    ``packed`` is oneDNN's copy alone.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device) -> None:
         super().__init__()
+        self.out_features = out_features
         self.weight = _empty_parameter((out_features, in_features), dtype, device)
         self.bias = _empty_parameter((out_features,), dtype, device) if bias else None
         self.packed: torch.Tensor | None = None
+        self.gemv_packed: torch.Tensor | None = None
+        self._gemv = None  # torch.ops.tidal_cpu once gemv_packed is set
+        self._gemv_rows = 0  # with a oneDNN copy too, calls of up to this many rows run the kernel
+
+    @classmethod
+    def packed_from(cls, weight: torch.Tensor) -> Linear:
+        """A packed, bias-free Linear over a copy of ``weight`` [out, in] (a tied LM head)."""
+        linear = cls(weight.shape[1], weight.shape[0], False, weight.dtype, weight.device)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+        linear.pack()
+        return linear
 
     def pack(self) -> None:
-        self.packed = pack_weight(self.weight)
+        ops = gemv_ops(self.weight.dtype, self.weight.device)
+        max_rows = gemv_max_rows() if ops is not None else 0
+        if ops is not None:
+            self.gemv_packed = pack_gemv_weight(self.weight)
+            self._gemv = ops
+            self._gemv_rows = max_rows or 0
+        if max_rows is not None:
+            self.packed = pack_weight(self.weight)
         self.weight = None  # the plain copy would double the memory
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gemv is not None and (self.packed is None or x.shape[0] <= self._gemv_rows):
+            return self._gemv.linear_bf16(x, self.gemv_packed, self.out_features, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -74,6 +147,17 @@ def cpu_layer_ops(dtype: torch.dtype, device: torch.device | str):
     return load_cpu_ops()
 
 
+def cuda_layer_kernels(device: torch.device | str):
+    """``tidal.kernels`` (the Triton fused add+RMSNorm and rotary) for a CUDA model when triton is
+    installed, else None. One kernel each instead of five to eight elementwise launches: that is
+    most of a CUDA-graph decode step's time at small batches besides the weights (docs/kernels.md)."""
+    from tidal import kernels
+
+    if torch.device(device).type != "cuda" or not kernels.HAS_TRITON:
+        return None
+    return kernels
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, cast back before the weight (the Hugging Face convention).
 
@@ -86,10 +170,13 @@ class RMSNorm(nn.Module):
         self.weight = _empty_parameter((size,), dtype, device)
         self.eps = eps
         self._ops = cpu_layer_ops(dtype, device)
+        self._kernels = cuda_layer_kernels(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._ops is not None:
             return self._ops.rms_norm(x, self.weight, self.eps)
+        if self._kernels is not None and x.dim() == 2 and x.stride(1) == 1:
+            return self._kernels.rms_norm(x, self.weight, self.eps)[0]
         if x.dtype == torch.float32:
             # one fused kernel instead of four elementwise passes; same math in float32
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -101,6 +188,8 @@ class RMSNorm(nn.Module):
     def add_norm(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self._ops is not None:
             return self._ops.add_rms_norm_(residual, x, self.weight, self.eps)
+        if self._kernels is not None and x.dim() == 2 and x.stride(1) == 1 and residual.stride(1) == 1:
+            return self._kernels.rms_norm(x, self.weight, self.eps, residual, residual_out=residual)[0]
         return self(residual.add_(x))
 
 
@@ -164,6 +253,7 @@ class RotaryEmbedding:
         self._inv_freq_cpu = rotary_inv_freq(head_dim, theta, scaling)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self._ops = cpu_layer_ops(dtype, device)
+        self._kernels = cuda_layer_kernels(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape [T, head_dim] for ``positions`` [T]."""
@@ -179,6 +269,10 @@ class RotaryEmbedding:
         if self._ops is not None and q.dtype == cos.dtype:
             self._ops.rotary_(q, k, cos, sin)
             return q, k
+        if self._kernels is not None:
+            # cos/sin are cat(c, c) per token: the kernel takes the first half of each row
+            half = self.head_dim // 2
+            return self._kernels.rotary_embedding(None, q, k, cos[:, :half], sin[:, :half])
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 

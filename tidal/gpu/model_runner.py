@@ -2,7 +2,9 @@
 
 The only engine module that touches torch tensors on the hot path besides the model and
 the sampler. The attention backend (torch on CPU, Triton kernels on CUDA) is chosen once,
-in ``tidal.gpu.attention.select_attention_backend``.
+in ``tidal.gpu.attention.select_attention_backend``. On CUDA with the Triton kernels, decode-only
+steps replay CUDA graphs captured here at start (``tidal.gpu.cuda_graphs``; ``--enforce-eager``
+turns them off).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import torch
 
 from tidal.gpu.attention import select_attention_backend
+from tidal.gpu.cuda_graphs import CudaGraphs, capture_sizes
 from tidal.gpu.forward_batch import ForwardBatch
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.model_loader import load_model, resolve_model_dir
@@ -69,12 +72,32 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(mc.num_layers)
         ]
+        self.cuda_graphs = self._capture_cuda_graphs()
+
+    def _capture_cuda_graphs(self) -> CudaGraphs | None:
+        """Decode graphs on CUDA with the Triton kernels (the torch backend's decode plan reads
+        lengths on the host, so it cannot be captured), unless ``--enforce-eager``.
+
+        Not with tensor parallelism (a ``tp`` group, tidal/gpu/parallel.py): every rank would have
+        to replay the same padded size for the collectives to match, and that is untested on GPUs.
+        """
+        if (self.device.type != "cuda" or self.config.enforce_eager or self.attention.name != "triton"
+                or isinstance(self.model, SyntheticModel) or getattr(self, "tp", None) is not None):
+            return None
+        graphs = CudaGraphs(self.model, self.kv_caches, capture_sizes(self.config.max_num_seqs),
+                            -(-self.max_model_len // self.block_size), self.block_size, self.device)
+        graphs.capture()
+        return graphs
 
     @torch.inference_mode()
     def execute(self, entries: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Run one forward pass; return the logits of the sequences that sample this step
         (those whose chunk reaches their last token, in entry order)."""
         batch = self._prepare(entries)
+        if self.cuda_graphs is not None:
+            logits = self.cuda_graphs.run(batch)
+            if logits is not None:
+                return logits
         hidden = self.model(batch, self.kv_caches)
         return self.model.compute_logits(hidden[batch.logits_indices])
 

@@ -28,6 +28,10 @@ TILE_N = 64
 PARTITION_SIZE = 512
 # split-K only while the unsplit grid would leave SMs idle
 _PROGRAMS_PER_SM = 2
+# at most this many partitions per sequence: a CUDA-graph batch pads its block table to the longest
+# allowed context (131072 tokens for Llama 3.1), and 256 partitions of 512 tokens, nearly all empty,
+# would be a grid of idle programs and a partial buffer hundreds of MB large
+MAX_PARTITIONS = 32
 _LOG2_E = 1.4426950408889634
 
 
@@ -309,7 +313,7 @@ def _default_partition_size(num_programs: int, max_context: int, device: torch.d
         if num_programs >= _PROGRAMS_PER_SM * sm_count:
             # the grid already fills the GPU: one partition per sequence avoids the merge pass
             return unsplit
-    return PARTITION_SIZE
+    return max(PARTITION_SIZE, TILE_N * math.ceil(max_context / (TILE_N * MAX_PARTITIONS)))
 
 
 def _check_layouts(query, k_cache, v_cache, block_tables, seq_lens) -> None:

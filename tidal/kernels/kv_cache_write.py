@@ -2,7 +2,8 @@
 
 Layouts: key/value ``[T, Hkv, D]`` (any strides, last dim contiguous: they are usually views of
 the fused qkv projection); caches ``[num_blocks, block_size, Hkv, D]`` contiguous;
-``slot_mapping[t] = block_id * block_size + offset`` (int64).
+``slot_mapping[t] = block_id * block_size + offset`` (int64). A negative slot writes nothing: the
+CUDA-graph runner pads a batch up to a captured size with such rows.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def _reshape_and_cache_kernel(
 
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
-    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_dim)
+    heads_to_write = tl.where(slot >= 0, num_kv_heads, 0)  # a negative slot is a padding row
+    mask = (heads[:, None] < heads_to_write) & (dims[None, :] < head_dim)
     token64 = token.to(tl.int64)
 
     key = tl.load(key_ptr + token64 * stride_key_t + heads[:, None] * stride_key_h + dims[None, :], mask=mask)
@@ -65,7 +67,8 @@ def reshape_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Copy ``key[t]``/``value[t]`` (``[T, Hkv, D]``) into the caches at ``slot_mapping[t]``, in place."""
+    """Copy ``key[t]``/``value[t]`` (``[T, Hkv, D]``) into the caches at ``slot_mapping[t]``, in place;
+    rows whose slot is negative are skipped."""
     num_tokens, num_kv_heads, head_dim = key.shape
     _check_layouts(key, value, k_cache, v_cache, slot_mapping)
     if num_tokens == 0:
@@ -99,11 +102,13 @@ def reshape_and_cache_reference(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Plain-torch twin of :func:`reshape_and_cache`."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    block_ids = slot_mapping // block_size
-    offsets = slot_mapping % block_size
-    k_cache[block_ids, offsets] = key
-    v_cache[block_ids, offsets] = value
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_ids = slots // block_size
+    offsets = slots % block_size
+    k_cache[block_ids, offsets] = key[keep]
+    v_cache[block_ids, offsets] = value[keep]
 
 
 def _check_layouts(key, value, k_cache, v_cache, slot_mapping) -> None:

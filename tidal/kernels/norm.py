@@ -50,15 +50,24 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    *,
+    residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(norm(s) * weight, s)`` where ``s = x`` or ``x + residual``; x is ``[T, H]``.
 
     Without a residual, ``residual_out`` is ``x`` itself (no copy), since nothing writes to it.
+    With one, ``s`` goes to ``residual_out`` when given (it may be ``residual`` itself: each row
+    is read before it is written, so ``residual += x`` happens in place), else to a new tensor.
     """
     _check_layouts(x, weight, residual)
     num_rows, hidden_size = x.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    residual_out = torch.empty_like(out) if residual is not None else x
+    if residual is None:
+        residual_out = x
+    elif residual_out is None:
+        residual_out = torch.empty_like(out)
+    elif residual_out.shape != x.shape or residual_out.stride(1) != 1:
+        raise ValueError(f"residual_out must match x {tuple(x.shape)}, got {tuple(residual_out.shape)}")
     if num_rows == 0:
         return out, residual_out
     _rms_norm_kernel[(num_rows,)](

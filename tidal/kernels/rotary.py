@@ -61,10 +61,14 @@ def _rotary_embedding_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
 ):
     # one program per token: cos/sin are loaded once and shared by all of its q and k heads
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token)
+    if PER_TOKEN:  # cos/sin row t belongs to token t
+        position = token
+    else:
+        position = tl.load(positions_ptr + token)
     half_dims = tl.arange(0, BLOCK_HALF)
     dim_mask = half_dims < half
     cos = tl.load(cos_ptr + position * stride_cos + half_dims, mask=dim_mask, other=0.0).to(tl.float32)
@@ -98,13 +102,16 @@ def _rotary_embedding_kernel(
 
 
 def rotary_embedding(
-    positions: torch.Tensor,
+    positions: torch.Tensor | None,
     query: torch.Tensor,
     key: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``query`` ``[T, Hq, D]`` and ``key`` ``[T, Hkv, D]`` by their ``positions`` ``[T]``.
+
+    ``positions=None``: the caches are already per token (row t is token t's cos/sin, ``[T, D/2]``,
+    any row stride), as the model computes them once per forward pass.
 
     Returns new contiguous tensors; the inputs may be strided views (last dim contiguous).
     """
@@ -117,7 +124,7 @@ def rotary_embedding(
         return query_out, key_out
     half = head_dim // 2
     _rotary_embedding_kernel[(num_tokens,)](
-        positions,
+        positions if positions is not None else cos_cache,  # unused per token
         query,
         key,
         query_out,
@@ -139,6 +146,7 @@ def rotary_embedding(
         BLOCK_HQ=triton.next_power_of_2(num_query_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
+        PER_TOKEN=positions is None,
     )
     return query_out, key_out
 
@@ -168,7 +176,10 @@ def _check_layouts(positions, query, key, cos_cache, sin_cache) -> None:
         raise ValueError("head_dim must be even")
     if query.stride(2) != 1 or key.stride(2) != 1:
         raise ValueError("query/key need a contiguous last dimension")
-    if positions.shape != (query.shape[0],):
+    if positions is None:
+        if cos_cache.shape[0] != query.shape[0]:
+            raise ValueError(f"per-token cos/sin must have T={query.shape[0]} rows, got {cos_cache.shape[0]}")
+    elif positions.shape != (query.shape[0],):
         raise ValueError(f"positions must be [T]={query.shape[0]}, got {tuple(positions.shape)}")
     expected = (query.shape[2] // 2,)
     if cos_cache.shape[1:] != expected or sin_cache.shape != cos_cache.shape:

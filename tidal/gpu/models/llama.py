@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.gpu.forward_batch import ForwardBatch
-from tidal.gpu.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, pack_weight, packed_linear
+from tidal.gpu.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from tidal.gpu.model_config import ModelConfig
 
 
@@ -129,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, attention, self.rotary, dtype, device)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
-        self._packed_lm_head: torch.Tensor | None = None
+        self._packed_lm_head: Linear | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -153,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] of the rows of ``forward``'s output that sample."""
         if self._packed_lm_head is not None:
-            return packed_linear(hidden_rows, self._packed_lm_head, None).float()
+            return self._packed_lm_head(hidden_rows).float()
         return F.linear(hidden_rows, self.lm_head_weight).float()
 
     def pack_weights(self) -> None:
@@ -163,9 +163,9 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         if self.config.tie_word_embeddings:
             # the embedding lookup still needs the plain table: the head gets its own packed copy
-            self._packed_lm_head = pack_weight(self.model.embed_tokens)
+            self._packed_lm_head = Linear.packed_from(self.model.embed_tokens)
         else:
-            self._packed_lm_head = self.lm_head.packed
+            self._packed_lm_head = self.lm_head
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters (casting to the model dtype).
