@@ -21,7 +21,8 @@ def test_help_explains_every_flag():
                  "--api-key", "--tokenizer-workers", "--device", "--dtype", "--max-queued-requests",
                  "--scheduling-policy", "--max-queue-wait", "--max-stream-buffer-bytes", "--stream-stall-timeout",
                  "--shutdown-timeout", "--attention-backend", "--revision", "--download-dir", "--data-parallel-size",
-                 "--engine-restarts", "--enforce-eager"):
+                 "--engine-restarts", "--enforce-eager", "--tensor-parallel-size", "--tp-size", "--nnodes",
+                 "--node-rank", "--master-addr", "--master-port", "--dist-init-addr"):
         assert flag in out, flag
     text = " ".join(out.split())  # argparse wraps the help lines
     assert "requests without a 'seed' (default 0)" in text
@@ -61,3 +62,15 @@ def test_port_in_use_is_a_clear_error():
         assert result.returncode == 2
         assert "Address already in use" in result.stderr and "Traceback" not in result.stderr
         assert "engine ready" not in result.stderr  # refused before the model was loaded
+
+
+def test_tensor_parallel_flags_that_cannot_work_are_refused_before_anything_starts():
+    for args, message in [
+        (("--tensor-parallel-size", "0"), "--tensor-parallel-size must be at least 1"),
+        (("--tp-size", "2", "--nnodes", "3"), "--nnodes must be at least 1 and divide --tensor-parallel-size (2)"),
+        (("--tp-size", "2", "--nnodes", "2", "--node-rank", "2"), "--node-rank must be in [0, --nnodes) = [0, 2)"),
+        (("--master-port", "65535", "--dp-size", "2"), "--master-port (+ replicas - 1) must be a port number"),
+        (("--dist-init-addr", "10.0.0.1"), "--dist-init-addr must be HOST:PORT, not '10.0.0.1'"),
+    ]:
+        result = run_serve(*args)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)

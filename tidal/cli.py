@@ -64,6 +64,23 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="Engine replicas, each its own process with the whole model (on CUDA: replica k on "
                         "GPU k). Requests are routed to the least loaded, preferring the one that caches "
                         "their prompt prefix (docs/scaling.md). Default 1.")
+    g.add_argument("--tensor-parallel-size", "--tp-size", type=int, default=1,
+                   help="Rank processes per replica, each holding 1/N of every layer (Megatron-style; "
+                        "torch.distributed: NCCL on CUDA, gloo on CPU). N must divide the model's attention "
+                        "heads and intermediate size (docs/scaling.md). Default 1.")
+    g.add_argument("--nnodes", type=int, default=1,
+                   help="Nodes the tensor-parallel ranks are spread over (each runs N / nnodes of them). Default 1.")
+    g.add_argument("--node-rank", type=int, default=0,
+                   help="This node's index. 0 runs the server and rank 0; any other runs its ranks only, "
+                        "headless (no HTTP server), until node 0 shuts them down. Default 0.")
+    g.add_argument("--master-addr", default="127.0.0.1",
+                   help="Address of node 0, where the ranks meet (torch.distributed env:// rendezvous). "
+                        "Default 127.0.0.1.")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="Rendezvous port on node 0; replica k uses this + k. Default: a free port on one node, "
+                        "29500 with --nnodes > 1.")
+    g.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="SGLang's spelling of --master-addr HOST --master-port PORT.")
     g.add_argument("--engine-restarts", type=int, default=None,
                    help="Times a dead engine replica is restarted in a row (backoff 1, 2, 4 ... s) before it "
                         "is given up. Default: 5 with --data-parallel-size > 1; 0 with one replica, which "
@@ -139,6 +156,11 @@ def server_config(args: argparse.Namespace):
         seed=args.seed,
         num_threads=args.engine_threads,
         min_step_time=args.min_step_time,
+        tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
     )
     return ServerConfig(
         engine=engine,
@@ -178,6 +200,19 @@ def _check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         p.error("--data-parallel-size must be at least 1")
     if args.engine_restarts is not None and args.engine_restarts < 0:
         p.error("--engine-restarts must be >= 0")
+    if args.tensor_parallel_size < 1:
+        p.error("--tensor-parallel-size must be at least 1")
+    if args.nnodes < 1 or args.tensor_parallel_size % args.nnodes:
+        p.error(f"--nnodes must be at least 1 and divide --tensor-parallel-size ({args.tensor_parallel_size})")
+    if not 0 <= args.node_rank < args.nnodes:
+        p.error(f"--node-rank must be in [0, --nnodes) = [0, {args.nnodes})")
+    if args.dist_init_addr is not None:
+        host, _, port = args.dist_init_addr.rpartition(":")
+        if not host or not port.isdigit():
+            p.error(f"--dist-init-addr must be HOST:PORT, not {args.dist_init_addr!r}")
+        args.master_addr, args.master_port = host, int(port)
+    if args.master_port is not None and not 0 < args.master_port + args.data_parallel_size - 1 < 65536:
+        p.error("--master-port (+ replicas - 1) must be a port number, 1-65535")
 
 
 def _resolve_hub_model(args: argparse.Namespace) -> None:
@@ -188,6 +223,28 @@ def _resolve_hub_model(args: argparse.Namespace) -> None:
         path = resolve_hub_model(args.model, args.revision, args.download_dir)
         args.served_model_name = args.served_model_name or args.model
         args.model = path
+
+
+def _exec_headless_node(config) -> None:
+    """Become this node's launcher of tensor-parallel ranks (``tidal.gpu.tp_worker --node``): no HTTP
+    server, no tokenizer, only the ranks of each replica, until node 0 shuts them down. The engine
+    config goes in as the first frame on stdin, as to an engine."""
+    import os
+
+    from tidal.wire import encode_frame
+
+    read_end, write_end = os.pipe()
+    os.write(write_end, encode_frame(config.engine))  # a few hundred bytes: fits the pipe's buffer
+    os.close(write_end)
+    os.dup2(read_end, 0)
+    os.close(read_end)
+    logging.getLogger("tidal.server").info("node %d of %d: starting tensor-parallel ranks only (headless)",
+                                           config.engine.node_rank, config.engine.nnodes)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "tidal.gpu.tp_worker", "--node",
+                              "--replicas", str(config.data_parallel_size),
+                              "--restarts", str(config.max_engine_restarts)])
 
 
 def _unknown_arguments(p: argparse.ArgumentParser, unknown: list[str]) -> None:
@@ -223,8 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     from tidal.hub import ModelNotAvailable
     from tidal.server import check_port_free
 
+    headless = args.node_rank > 0
     try:  # before a Hub download or an engine start, either of which can take minutes
-        check_port_free(args.host, args.port)
+        if not headless:
+            check_port_free(args.host, args.port)
     except OSError as exc:
         logging.getLogger("tidal.server").error("exiting: cannot serve on %s:%d: %s", args.host, args.port, exc)
         return 2
@@ -237,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         config = server_config(args)
     except ValueError as exc:
         serve_p.error(str(exc))
+    if headless:
+        _exec_headless_node(config)
     import trio
 
     from tidal.server import serve

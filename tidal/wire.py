@@ -80,6 +80,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_threads: int | None = None
     # which data-parallel replica this engine is (0..N-1): on CUDA it picks the replica's device
     data_parallel_rank: int = 0
+    # tensor parallelism (docs/scaling.md): ranks per replica, split over nnodes nodes that meet at
+    # master_addr:master_port + data_parallel_rank (None: a free port on one node, 29500 on several)
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     # Test model knob: every forward pass lasts at least this long (seconds). Lets the
     # cancellation tests put an abort "mid-forward" deterministically.
     min_step_time: float = 0.0

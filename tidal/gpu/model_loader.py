@@ -36,16 +36,20 @@ def resolve_model_dir(name: str) -> str:
 
 
 def load_model(
-    model_dir: str, dtype: torch.dtype, device: torch.device, attention
+    model_dir: str, dtype: torch.dtype, device: torch.device, attention, tp=None
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model of ``model_dir`` on ``device`` in ``dtype`` and load its weights."""
+    """Build the model of ``model_dir`` on ``device`` in ``dtype`` and load its weights.
+
+    With ``tp`` (tensor parallelism) the model is this rank's shard, and only its slices of the
+    checkpoint are read (``lazy`` safetensors slices).
+    """
     config = ModelConfig.from_dir(model_dir)
-    model = model_class(config)(config, attention, dtype=dtype, device=device)
+    model = model_class(config)(config, attention, dtype=dtype, device=device, tp=tp)
     if tiny_model.has_generated_weights(model_dir, config):
         weights = tiny_model.generate_weights(config, tiny_model.special_token_ids(model_dir), config.init_seed)
         model.load_weights(weights.items())
     else:
-        model.load_weights(iter_safetensors(model_dir))
+        model.load_weights(iter_safetensors(model_dir, lazy=tp is not None))
     model.eval()
     if packs_weights(dtype, device):
         model.pack_weights()
@@ -67,11 +71,14 @@ def safetensors_files(model_dir: str) -> list[str]:
     )
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) of every checkpoint tensor, one at a time (CPU, memory-mapped)."""
+def iter_safetensors(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) of every checkpoint tensor, one at a time (CPU, memory-mapped).
+
+    ``lazy``: a safetensors slice instead of the tensor; indexing it reads only that part.
+    """
     from safetensors import safe_open
 
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (f.get_slice(name) if lazy else f.get_tensor(name))

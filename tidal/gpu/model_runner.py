@@ -39,18 +39,27 @@ def resolve_device(name: str, data_parallel_rank: int = 0) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp_rank: int = 0):
         self.config = config
-        self.device = resolve_device(config.device, config.data_parallel_rank)
+        per_node = config.tensor_parallel_size // config.nnodes  # 1 without tensor parallelism
+        self.device = resolve_device(config.device, config.data_parallel_rank * per_node + tp_rank % per_node)
         self.dtype, self.dtype_reason = resolve_dtype(config.dtype, self.device)
-        log.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), self.dtype_reason)
         self.model_dir = resolve_model_dir(config.model)
+        self.tp = None  # this rank's parallel.TensorParallel, with --tensor-parallel-size > 1
+        if config.tensor_parallel_size > 1:
+            from tidal.gpu.parallel import join_group
+
+            self.tp = join_group(config, tp_rank, self.model_dir, self.dtype, self.device)
+            self.dtype, config = self.tp.dtype, self.tp.config  # rank 0's: every rank computes alike
+            self.config = config
+        log.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), self.dtype_reason)
         self.attention = select_attention_backend(config.attention_backend, self.device)
         if config.model == SYNTHETIC_MODEL_NAME:
             self.model_config = ModelConfig.from_dir(self.model_dir)
             self.model = SyntheticModel(self.model_config, self.device)
         else:
-            self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, self.attention)
+            self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, self.attention,
+                                                       self.tp)
         mc = self.model_config
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -59,14 +68,20 @@ class ModelRunner:
                 f"--max-model-len {config.max_model_len} exceeds the model's "
                 f"max_position_embeddings ({mc.max_position_embeddings})"
             )
-        bytes_per_block = 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        # each rank caches only its own KV heads; --kv-cache-memory is per rank
+        num_kv_heads = mc.num_kv_heads if self.tp is None else self.model.model.layers[0].self_attn.num_kv_heads
+        bytes_per_block = 2 * mc.num_layers * self.block_size * num_kv_heads * mc.head_dim * self.dtype.itemsize
         self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
+        if self.tp is not None:
+            self.num_blocks = self.tp.broadcast_int(self.num_blocks)  # rank 0 decides; all ranks agree
+            if self.tp.rank == 0:  # each batch goes to the other ranks as it is built
+                self._prepare = self.tp.broadcasting(self._prepare)
         if self.num_blocks * self.block_size < self.max_model_len:
             # a request longer than the whole cache could never run: cap the length instead
             log.warning("KV cache holds %d tokens: max_model_len lowered from %d",
                         self.num_blocks * self.block_size, self.max_model_len)
             self.max_model_len = self.num_blocks * self.block_size
-        shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (self.num_blocks, self.block_size, num_kv_heads, mc.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))

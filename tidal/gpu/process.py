@@ -61,17 +61,30 @@ def run_engine_process(in_fd: int, out_fd: int) -> int:
         if not isinstance(exc, (ValueError, OSError)):  # a bad flag or path needs no traceback
             traceback.print_exc()
         return 1
+    if engine.runner.tp is not None:  # a tensor-parallel rank that exits fails the engine at once, busy or idle
+        engine.runner.tp.on_rank_death = lambda why: _fail_now(outbox, why)
     inbox = Inbox(in_fd, late_aborts=engine.late_aborts)
     outbox.put_control(engine.ready_message())
     try:
         _loop(engine, inbox, outbox)
     except Exception as exc:
         traceback.print_exc()
-        outbox.put_control(EngineFailed(f"{type(exc).__name__}: {exc}"))
+        why = f"{type(exc).__name__}: {exc}"
+        if engine.runner.tp is not None:  # a collective that failed: most often a rank that died
+            why = engine.runner.tp.dead_rank() or why
+        outbox.put_control(EngineFailed(why))
         outbox.close()
         return 1
     outbox.close()
     return 0
+
+
+def _fail_now(outbox, why: str) -> None:
+    """Tell the frontend why and exit, from whichever thread noticed (the rank's collective may never return)."""
+    log.error("%s", why)
+    outbox.put_control(EngineFailed(why))
+    outbox.close(timeout=1.0)
+    os._exit(1)
 
 
 def _loop(engine, inbox, outbox) -> None:

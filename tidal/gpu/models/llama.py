@@ -5,6 +5,10 @@ q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), o_proj/MLP bias (Llama options
 embeddings. q/k/v and gate/up are stored fused so each is one matmul (fewer, larger GEMMs
 are markedly faster on CPU); ``load_weights`` splits Hugging Face's separate tensors into them.
 
+With ``tp`` (a ``parallel.TensorParallel`` of more than one rank) the model is this rank's shard:
+the layers of ``parallel_layers`` replace the plain ones, ``load_weights`` takes each tensor's slice,
+and ``compute_logits`` returns the full logits on rank 0 only. Without it nothing changes.
+
 The caller runs ``forward``/``compute_logits`` under ``torch.inference_mode()``.
 """
 
@@ -20,23 +24,31 @@ from torch import nn
 from tidal.gpu.forward_batch import ForwardBatch
 from tidal.gpu.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from tidal.gpu.model_config import ModelConfig
+from tidal.gpu.parallel_layers import (ParallelGatedMLP, VocabParallelLMHead, VocabShard, attention_projections,
+                                       head_shard, vocab_parallel_embedding)
 
 
 class LlamaAttention(nn.Module):
     """Self-attention of one layer: fused qkv projection, rotary, paged attention, o_proj."""
 
-    def __init__(self, config: ModelConfig, attention, rotary: RotaryEmbedding, dtype: torch.dtype, device) -> None:
+    def __init__(self, config: ModelConfig, attention, rotary: RotaryEmbedding, dtype: torch.dtype, device,
+                 tp=None) -> None:
         super().__init__()
         self.rotary = rotary
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        heads = head_shard(config, tp.rank, tp.size) if tp is not None else None
+        self.num_heads = config.num_heads if heads is None else heads.num_heads
+        self.num_kv_heads = config.num_kv_heads if heads is None else heads.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         self.attention = attention
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.attention_output_bias, dtype, device)
+        if heads is None:
+            self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype,
+                                   device)
+            self.o_proj = Linear(self.q_size, config.hidden_size, config.attention_output_bias, dtype, device)
+        else:
+            self.qkv_proj, self.o_proj = attention_projections(config, heads, dtype, device, tp)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
@@ -72,12 +84,17 @@ class LlamaDecoderLayer(nn.Module):
     takes (the previous sublayer's output, the residual before it) and returns the same pair.
     """
 
-    def __init__(self, config: ModelConfig, attention, rotary: RotaryEmbedding, dtype: torch.dtype, device) -> None:
+    def __init__(self, config: ModelConfig, attention, rotary: RotaryEmbedding, dtype: torch.dtype, device,
+                 tp=None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, attention, rotary, dtype, device)
+        self.self_attn = LlamaAttention(config, attention, rotary, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
+        if tp is None:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
+        else:
+            self.mlp = ParallelGatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device,
+                                        tp)
 
     def forward(self, out, residual, cos, sin, kv_cache, batch):
         normed = self.input_layernorm.add_norm(residual, out)
@@ -88,13 +105,15 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and the final norm (named like Hugging Face's ``model.*``)."""
 
-    def __init__(self, config: ModelConfig, attention, rotary: RotaryEmbedding, dtype: torch.dtype, device) -> None:
+    def __init__(self, config: ModelConfig, attention, rotary: RotaryEmbedding, dtype: torch.dtype, device,
+                 tp=None, vocab: VocabShard | None = None) -> None:
         super().__init__()
+        rows = config.vocab_size if vocab is None else vocab.size
         self.embed_tokens = nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), requires_grad=False
+            torch.empty(rows, config.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attention, rotary, dtype, device) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, attention, rotary, dtype, device, tp) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -121,15 +140,26 @@ class LlamaForCausalLM(nn.Module):
         attention,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        tp=None,
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.tp = tp
+        self.vocab = VocabShard.of(config.vocab_size, tp.rank, tp.size) if tp is not None else None
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, dtype, device)
-        self.model = LlamaModel(config, attention, self.rotary, dtype, device)
+        self.model = LlamaModel(config, attention, self.rotary, dtype, device, tp, self.vocab)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+            self.lm_head = (Linear(config.hidden_size, config.vocab_size, False, dtype, device) if tp is None
+                            else VocabParallelLMHead(config.hidden_size, self.vocab, dtype, device))
         self._packed_lm_head: Linear | None = None
+        attn = self.model.layers[0].self_attn
+        self._fused_sizes = {  # this rank's sizes of the parts of the fused tensors
+            "qkv_proj": (attn.q_size, attn.kv_size, attn.kv_size),
+            "gate_up_proj": (self.model.layers[0].mlp.intermediate_size,) * 2,
+        }
+        # parameter name -> this rank's slice of its checkpoint tensor(s) (tensor-parallel only)
+        self._shards = {} if tp is None else self._shard_rules()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -143,7 +173,10 @@ class LlamaForCausalLM(nn.Module):
         ``kv_caches[i]`` is layer i's ``(k_cache, v_cache)``, each
         ``[num_blocks, block_size, num_kv_heads, head_dim]``; the batch's new K/V are written into them.
         """
-        residual = F.embedding(batch.input_ids, self.model.embed_tokens)
+        if self.tp is None:
+            residual = F.embedding(batch.input_ids, self.model.embed_tokens)
+        else:
+            residual = vocab_parallel_embedding(batch.input_ids, self.model.embed_tokens, self.vocab, self.tp)
         cos, sin = self.rotary.cos_sin(batch.positions, residual.dtype)
         out = torch.zeros_like(residual)  # the first layer's "+ out" adds nothing
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
@@ -151,10 +184,15 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_norm(residual, out)
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] of the rows of ``forward``'s output that sample."""
+        """float32 logits [N, vocab] of the rows of ``forward``'s output that sample (tensor-parallel:
+        on rank 0; the other ranks return None after sending their vocabulary slice)."""
         if self._packed_lm_head is not None:
-            return self._packed_lm_head(hidden_rows).float()
-        return F.linear(hidden_rows, self.lm_head_weight).float()
+            logits = self._packed_lm_head(hidden_rows).float()
+        else:
+            logits = F.linear(hidden_rows, self.lm_head_weight).float()
+        if self.tp is None:
+            return logits
+        return self.tp.gather_vocab(logits, self.config.vocab_size)
 
     def pack_weights(self) -> None:
         """Prepack every matmul weight for oneDNN (``layers.pack_weight``); call once, after loading."""
@@ -185,6 +223,11 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
             destination = param if part is None else self._fused_slice(param, target, part)
+            shard = self._shards.get(target)
+            if shard is not None:
+                tensor = shard(tensor, part)
+            elif not isinstance(tensor, torch.Tensor):
+                tensor = tensor[:]  # a lazy safetensors slice of a replicated tensor: all of it
             if tuple(destination.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
@@ -197,11 +240,19 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
 
     def _fused_slice(self, param: torch.Tensor, target: str, part: int) -> torch.Tensor:
-        if target.endswith("qkv_proj.weight") or target.endswith("qkv_proj.bias"):
-            sizes = (self.config.q_size, self.config.kv_size, self.config.kv_size)
-        else:
-            sizes = (self.config.intermediate_size, self.config.intermediate_size)
-        return param.split(sizes, dim=0)[part]
+        fused = "qkv_proj" if ".qkv_proj." in target else "gate_up_proj"
+        return param.split(self._fused_sizes[fused], dim=0)[part]
+
+    def _shard_rules(self) -> dict:
+        rules = {"model.embed_tokens": lambda tensor, part: self.vocab.shard("weight", tensor)}
+        for name, module in self.named_modules():
+            shard = getattr(module, "shard", None)
+            if shard is None or not isinstance(module, Linear):
+                continue
+            for kind in ("weight", "bias"):
+                if getattr(module, kind) is not None:
+                    rules[f"{name}.{kind}"] = lambda tensor, part, shard=shard, kind=kind: shard(kind, tensor, part)
+        return rules
 
     def _expected_parts(self) -> set[tuple[str, int | None]]:
         expected: set[tuple[str, int | None]] = set()
