@@ -9,9 +9,11 @@ One step is::
     scheduler.commit(batch, tokens)            # append, check stops, free what finished
     emit(...)                                  # detokenize, one RequestOutput per new token
 
-The forward pass runs on its own thread, and ``step()`` launches the next step's forward
-right after the commit, before emitting: building and sending one step's outputs overlaps
-the next step's pass, and only abort window + commit + schedule run between two passes.
+``step()`` launches the next step's forward right after the commit, before emitting. Where
+the device computes on its own (CUDA, tidal-test) the pass runs on a thread, so building and
+sending one step's outputs overlaps the next step's pass, and only abort window + commit +
+schedule run between two passes. On a CPU the pass is deferred to the step loop's own thread
+and runs when the next ``step()`` asks for it: the same order, without thread hand-offs.
 
 Outputs, first-schedule events and finished ids collect in a pending report that the
 process loop sends after each step (``take_report``).
@@ -24,8 +26,10 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 import torch
 from tokenizers import Tokenizer
 
@@ -37,6 +41,7 @@ from tidal.gpu.model_runner import ModelRunner
 from tidal.gpu.sampler import Sampler, SamplingBatch, make_generator
 from tidal.gpu.scheduler import ScheduledBatch, Scheduler
 from tidal.gpu.sequence import Sequence, SequenceStatus
+from tidal.gpu.synthetic_model import SyntheticModel
 from tidal.wire import (AddRequest, EngineConfig, EngineStats, FinishReason, Logprobs, Ready, RequestOutput,
                         StepReport)
 
@@ -44,7 +49,9 @@ log = logging.getLogger("tidal.engine")
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, forward_thread: bool | None = None):
+        """``forward_thread``: run passes on a thread (True) or deferred on the step loop's (False);
+        None picks by device (``_device_overlaps``). Tests and benchmarks compare the two."""
         self.config = config
         torch.manual_seed(config.seed)  # unseeded requests draw from the global generator
         self.runner = ModelRunner(config)
@@ -72,9 +79,14 @@ class Engine:
         # ids whose abort arrived while a forward pass ran: the pipe reader thread appends
         # them (deque appends are thread-safe) and the step applies them in its abort window
         self.late_aborts: collections.deque[list[int]] = collections.deque()
-        # the forward pass runs on its own thread (torch ops release the GIL, and so does the
-        # test model's sleep), overlapping the step loop's own work; at most one is in flight
-        self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="tidal-forward")
+        # Where forward passes run (at most one is in flight). A device that computes on its own
+        # (CUDA; tidal-test, whose pass is a sleep) gets a thread, so the step loop's own work
+        # overlaps the pass. On a CPU the pass is host work on every core: a thread there only
+        # adds two thread hand-offs per step and a GIL tug-of-war with the step loop, so the pass
+        # runs on the step loop's thread when its result is first wanted (docs/engine.md).
+        if forward_thread is None:
+            forward_thread = self._device_overlaps()
+        self._passes = ForwardThread() if forward_thread else DeferredPasses()
         self._in_flight: InFlight | None = None
         self.min_step_time = config.min_step_time
         self._sampling_rows: list[int] = []  # the forward thread's persistent sampling batch
@@ -190,7 +202,7 @@ class Engine:
         return True
 
     def _launch(self) -> InFlight | None:
-        """Schedule a batch and start its forward pass on the forward thread."""
+        """Schedule a batch and launch its forward pass (``self._passes`` decides where it runs)."""
         self._schedule_compiled()
         batch = self.scheduler.schedule()
         self._started.extend(seq.request_id for seq in batch.started)
@@ -198,7 +210,11 @@ class Engine:
             self._dirty = True
         if not batch:
             return None
-        return InFlight(batch, self._forward_thread.submit(self._forward, batch, time.monotonic()))
+        return InFlight(batch, self._passes.submit(self._forward, batch, time.monotonic()))
+
+    def _device_overlaps(self) -> bool:
+        """Whether a forward pass leaves the host's cores free for the step loop meanwhile."""
+        return self.runner.device.type != "cpu" or isinstance(self.runner.model, SyntheticModel)
 
     @torch.inference_mode()
     def _forward(self, batch: ScheduledBatch, launched_at: float) -> tuple[list[int], dict[int, Logprobs]]:
@@ -206,9 +222,9 @@ class Engine:
         and the logprobs of the sequences that asked (request id -> one token's), taken before
         the grammar mask and the sampler edit the logits.
 
-        Runs on the forward thread; reads the batch's sequences, changes nothing the step
-        loop reads. With ``min_step_time`` (the test model) it lasts at least that long from
-        its launch.
+        Runs on the forward thread (or deferred, on the step loop's); reads the batch's
+        sequences, changes nothing the step loop reads. With ``min_step_time`` (the test
+        model) it lasts at least that long from its launch.
         """
         logits = self.runner.execute(batch.entries)
         sampling = self._sampling_batch(batch.sampling)
@@ -315,9 +331,50 @@ class Engine:
         self._in_flight = None  # its sequences are all gone
 
 
+T = TypeVar("T")
+
+
+class PendingResult(Protocol[T]):
+    def result(self) -> T: ...
+
+
 @dataclass
 class InFlight:
-    """A scheduled batch whose forward pass runs on the forward thread."""
+    """A scheduled batch whose forward pass has been launched."""
 
     batch: ScheduledBatch
-    tokens: Future[tuple[list[int], dict[int, Logprobs]]]  # and the logprobs of the rows that asked
+    tokens: PendingResult[tuple[list[int], dict[int, Logprobs]]]  # and the logprobs of the rows that asked
+
+
+class ForwardThread:
+    """Runs each pass on the ``tidal-forward`` thread, overlapping the step loop."""
+
+    def __init__(self) -> None:
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tidal-forward")
+
+    def submit(self, fn: Callable[..., T], *args) -> Future[T]:
+        return self._thread.submit(fn, *args)
+
+
+class DeferredPasses:
+    """Runs each pass on the caller's thread, the first time its result is asked for.
+
+    The step loop asks at its next ``step()`` (or in ``abort()``), after it has emitted and
+    reported the previous step, so the order of a step is the same as with the thread.
+    """
+
+    def submit(self, fn: Callable[..., T], *args) -> DeferredPass[T]:
+        return DeferredPass(fn, args)
+
+
+class DeferredPass(Generic[T]):
+    def __init__(self, fn: Callable[..., T], args: tuple) -> None:
+        self._call: tuple[Callable[..., T], tuple] | None = (fn, args)
+        self._value: T
+
+    def result(self) -> T:
+        if self._call is not None:
+            fn, args = self._call
+            self._value = fn(*args)
+            self._call = None
+        return self._value
