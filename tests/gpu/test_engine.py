@@ -8,6 +8,7 @@ are far above float32 noise (tests/hf_models.py)."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -95,8 +96,10 @@ def test_batch_with_chunked_prefill_preemption_and_prefix_hits(model_dir, hf_mod
     assert stats.num_prefix_hit_tokens > 0, "the shared system prompt was served from the prefix cache"
 
 
-def test_abort_mid_step_frees_blocks_and_drops_the_token(model_dir):
-    engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=32, block_size=8))
+@pytest.mark.parametrize("passes", ["deferred", "thread", "launched"])
+def test_abort_mid_step_frees_blocks_and_drops_the_token(model_dir, passes):
+    engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=32, block_size=8),
+                    passes=passes)
     engine.add_request(AddRequest(1, list(range(10, 30)), greedy(50), 0, 0.0))
     engine.add_request(AddRequest(2, list(range(40, 50)), greedy(50), 0, 0.0))
     engine.step()
@@ -115,10 +118,13 @@ def test_abort_mid_step_frees_blocks_and_drops_the_token(model_dir):
     assert engine.block_manager.num_used_blocks == 0
 
 
-def test_abort_between_steps_waits_for_the_pass_in_flight(model_dir):
-    """The process loop handles aborts between steps, while the next forward pass already runs:
-    the blocks are free when abort() returns, and that pass's token for the request never shows."""
-    engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=32, block_size=8))
+@pytest.mark.parametrize("passes", ["deferred", "thread", "launched"])
+def test_abort_between_steps_waits_for_the_pass_in_flight(model_dir, passes):
+    """The process loop handles aborts between steps, while the next forward pass already runs
+    (or, deferred, is launched but not yet run): the blocks are free when abort() returns, and
+    that pass's token for the request never shows."""
+    engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=32, block_size=8),
+                    passes=passes)
     engine.add_request(AddRequest(1, list(range(10, 30)), greedy(50), 0, 0.0))
     engine.add_request(AddRequest(2, list(range(40, 50)), greedy(50), 0, 0.0))
     engine.step()
@@ -131,6 +137,39 @@ def test_abort_between_steps_waits_for_the_pass_in_flight(model_dir):
     assert 1 in report.finished and [o.request_id for o in report.outputs] == [2]
     engine.abort_all()
     assert engine.block_manager.num_used_blocks == 0 and not engine.has_work()
+
+
+@pytest.mark.parametrize("passes", ["thread", "launched"])
+def test_other_passes_give_the_same_tokens(model_dir, hf_model, passes):
+    """The thread tidal-test uses and the launch-now passes CUDA uses compute what the CPU's
+    deferred passes do: transformers' greedy tokens."""
+    vocab = hf_model.config.vocab_size
+    reqs = prompts(5, 4, 3, 40, vocab)
+    expected = {i: hf_greedy(hf_model, p, 8) for i, p in enumerate(reqs)}
+    engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=32, block_size=8,
+                                 max_num_batched_tokens=24), passes=passes)
+    assert run_engine(engine, {i: (p, greedy(8)) for i, p in enumerate(reqs)}) == expected
+
+
+def test_cpu_pass_runs_on_the_step_loop_after_the_previous_step_is_reported(model_dir):
+    """On a CPU each step runs the pass launched by the step before, on the caller's thread, so a
+    step's token is out (take_report) before the next pass computes anything."""
+    engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=32, block_size=8))
+    ran_on = []
+    execute = engine.runner.execute
+
+    def counted(entries):
+        ran_on.append(threading.current_thread())
+        return execute(entries)
+
+    engine.runner.execute = counted
+    engine.add_request(AddRequest(1, list(range(10, 30)), greedy(3), 0, 0.0))
+    engine.step()  # the prefill; the first decode is launched, not run
+    assert ran_on == [threading.current_thread()]
+    assert [o.token_ids for o in engine.take_report().outputs] == [[engine.sequences[1].output_token_ids[0]]]
+    engine.step()
+    engine.step()
+    assert len(ran_on) == 3 and engine.take_report().finished == [1] and not engine.has_work()
 
 
 def test_stop_conditions(model_dir, hf_model):

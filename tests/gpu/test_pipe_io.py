@@ -89,3 +89,40 @@ def test_inbox_decodes_frames_and_turns_eof_into_shutdown():
     assert inbox.get(timeout=5) == AbortRequests([4, 5])
     os.close(write_fd)
     assert isinstance(inbox.get(timeout=5), Shutdown)
+
+
+def test_step_loop_writes_reports_itself_and_a_frame_cut_short_is_finished_first():
+    """With the writer idle and room in the pipe, put_report writes the frame on the caller's
+    thread (no hand-off per step). A frame the pipe takes only in part is finished by the
+    writer thread before any later frame, and the reports after it merge meanwhile."""
+    read_fd, write_fd = os.pipe()
+    outbox = Outbox(write_fd)
+    outbox.put_report(StepReport([1], [RequestOutput(1, [5], "a", None, None)], [], EngineStats(step=0)))
+    assert outbox.num_direct_reports == 1
+    assert [m.outputs[0].token_ids for m in _read_frames(read_fd, 1)] == [[5]]
+
+    big = "x" * (200 << 10)  # larger than the pipe: the first write is cut short
+    outbox.put_report(StepReport([], [RequestOutput(1, [6], big, None, None)], [], EngineStats(step=1)))
+    for step in range(2, 6):
+        outbox.put_report(StepReport([], [RequestOutput(1, [step + 5], "b", None, None)], [], EngineStats(step=step)))
+    outbox.put_control(Pong(9, EngineStats(step=5)))
+    assert outbox.num_direct_reports == 2 and outbox.num_merged_reports == 3
+
+    reader = threading.Thread(target=lambda: received.extend(read_all(read_fd)))
+    received: list = []
+    reader.start()
+    outbox.close()
+    os.close(write_fd)
+    reader.join(30)
+    reports = [m for m in received if isinstance(m, StepReport)]
+    assert [t for r in reports for o in r.outputs for t in o.token_ids] == [6, 7, 8, 9, 10]
+    assert "".join(o.text for r in reports for o in r.outputs) == big + "bbbb"
+    assert any(isinstance(m, Pong) and m.nonce == 9 for m in received)
+
+
+def _read_frames(fd: int, count: int) -> list:
+    splitter = FrameSplitter()
+    messages: list = []
+    while len(messages) < count:
+        messages.extend(decode_from_engine(body) for body in splitter.feed(os.read(fd, 1 << 16)))
+    return messages

@@ -9,9 +9,11 @@ One step is::
     scheduler.commit(batch, tokens)            # append, check stops, free what finished
     emit(...)                                  # detokenize, one RequestOutput per new token
 
-The forward pass runs on its own thread, and ``step()`` launches the next step's forward
-right after the commit, before emitting: building and sending one step's outputs overlaps
-the next step's pass, and only abort window + commit + schedule run between two passes.
+``step()`` launches the next step's forward right after the commit, before emitting. Where
+the device computes on its own (CUDA, tidal-test) the pass runs on a thread, so building and
+sending one step's outputs overlaps the next step's pass, and only abort window + commit +
+schedule run between two passes. On a CPU the pass is deferred to the step loop's own thread
+and runs when the next ``step()`` asks for it: the same order, without thread hand-offs.
 
 Outputs, first-schedule events and finished ids collect in a pending report that the
 process loop sends after each step (``take_report``).
@@ -24,8 +26,10 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 import torch
 from tokenizers import Tokenizer
 
@@ -37,6 +41,7 @@ from tidal.gpu.model_runner import ModelRunner
 from tidal.gpu.sampler import Sampler, SamplingBatch, make_generator
 from tidal.gpu.scheduler import ScheduledBatch, Scheduler
 from tidal.gpu.sequence import Sequence, SequenceStatus
+from tidal.gpu.synthetic_model import SyntheticModel
 from tidal.wire import (AddRequest, EngineConfig, EngineStats, FinishReason, Logprobs, Ready, RequestOutput,
                         StepReport)
 
@@ -44,7 +49,9 @@ log = logging.getLogger("tidal.engine")
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, passes: str | None = None):
+        """``passes``: where forward passes run, a key of ``PASSES`` ("thread", "deferred" or
+        "launched"); None picks by device (``_default_passes``). Tests and benchmarks compare them."""
         self.config = config
         torch.manual_seed(config.seed)  # unseeded requests draw from the global generator
         self.runner = ModelRunner(config)
@@ -72,9 +79,16 @@ class Engine:
         # ids whose abort arrived while a forward pass ran: the pipe reader thread appends
         # them (deque appends are thread-safe) and the step applies them in its abort window
         self.late_aborts: collections.deque[list[int]] = collections.deque()
-        # the forward pass runs on its own thread (torch ops release the GIL, and so does the
-        # test model's sleep), overlapping the step loop's own work; at most one is in flight
-        self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="tidal-forward")
+        # Where forward passes run (at most one is in flight). On CUDA kernel launches return at
+        # once: the step loop launches the pass itself and waits on the device only when it wants
+        # the tokens, so emitting the last step overlaps the pass with no thread and no GIL hand-off.
+        # tidal-test's pass is a sleep, which needs a thread to overlap. On a CPU the pass is host
+        # work on every core: a thread there only adds two thread hand-offs per step and a GIL
+        # tug-of-war with the step loop, so the pass runs on the step loop's thread when its result
+        # is first wanted (docs/engine.md).
+        if passes is None:
+            passes = self._default_passes()
+        self._passes = PASSES[passes]()
         self._in_flight: InFlight | None = None
         self.min_step_time = config.min_step_time
         self._sampling_rows: list[int] = []  # the forward thread's persistent sampling batch
@@ -190,7 +204,7 @@ class Engine:
         return True
 
     def _launch(self) -> InFlight | None:
-        """Schedule a batch and start its forward pass on the forward thread."""
+        """Schedule a batch and launch its forward pass (``self._passes`` decides where it runs)."""
         self._schedule_compiled()
         batch = self.scheduler.schedule()
         self._started.extend(seq.request_id for seq in batch.started)
@@ -198,27 +212,38 @@ class Engine:
             self._dirty = True
         if not batch:
             return None
-        return InFlight(batch, self._forward_thread.submit(self._forward, batch, time.monotonic()))
+        return InFlight(batch, self._passes.submit(self._start_pass, self._finish_pass, batch, time.monotonic()))
+
+    def _default_passes(self) -> str:
+        if isinstance(self.runner.model, SyntheticModel):
+            return "thread"  # its pass is a sleep: only a thread overlaps it
+        return "launched" if self.runner.device.type == "cuda" else "deferred"
 
     @torch.inference_mode()
-    def _forward(self, batch: ScheduledBatch, launched_at: float) -> tuple[list[int], dict[int, Logprobs]]:
-        """The device's share of a step: one forward pass, one sampled token per ``batch.sampling``,
-        and the logprobs of the sequences that asked (request id -> one token's), taken before
-        the grammar mask and the sampler edit the logits.
+    def _start_pass(self, batch: ScheduledBatch, launched_at: float) -> StartedPass:
+        """The device's share of a step, launched: one forward pass, one sampled token per
+        ``batch.sampling`` (a device tensor, not yet read back), and the log-softmax of the rows
+        that asked for logprobs, taken before the grammar mask and the sampler edit the logits.
 
-        Runs on the forward thread; reads the batch's sequences, changes nothing the step
-        loop reads. With ``min_step_time`` (the test model) it lasts at least that long from
-        its launch.
+        Reads the batch's sequences, changes nothing the step loop reads. On CUDA it returns as
+        soon as the kernels are queued.
         """
         logits = self.runner.execute(batch.entries)
         sampling = self._sampling_batch(batch.sampling)
         captured = CapturedLogprobs.capture(logits, sampling.params)  # None when no row asks
         self.grammars.apply_mask(logits, batch.sampling)  # constrained rows only
-        tokens = self.sampler.sample_batch(logits, sampling)
+        return StartedPass(batch, self.sampler.sample_tokens(logits, sampling), captured, launched_at)
+
+    def _finish_pass(self, started: StartedPass) -> tuple[list[int], dict[int, Logprobs]]:
+        """The tokens of a launched pass (waits for the device) and the logprobs of the rows
+        that asked (request id -> one token's). With ``min_step_time`` (the test model) the pass
+        lasts at least that long from its launch."""
+        tokens = started.tokens.tolist()
+        captured, sampling = started.captured, started.batch.sampling
         logprobs = {} if captured is None else {
-            batch.sampling[i].request_id: lp for i, lp in captured.for_tokens(tokens).items()}
+            sampling[i].request_id: lp for i, lp in captured.for_tokens(tokens).items()}
         if self.min_step_time:
-            remaining = self.min_step_time - (time.monotonic() - launched_at)
+            remaining = self.min_step_time - (time.monotonic() - started.launched_at)
             if remaining > 0:
                 time.sleep(remaining)
         return tokens, logprobs
@@ -315,9 +340,79 @@ class Engine:
         self._in_flight = None  # its sequences are all gone
 
 
+T = TypeVar("T")
+
+
+class PendingResult(Protocol[T]):
+    def result(self) -> T: ...
+
+
 @dataclass
 class InFlight:
-    """A scheduled batch whose forward pass runs on the forward thread."""
+    """A scheduled batch whose forward pass has been launched."""
 
     batch: ScheduledBatch
-    tokens: Future[tuple[list[int], dict[int, Logprobs]]]  # and the logprobs of the rows that asked
+    tokens: PendingResult[tuple[list[int], dict[int, Logprobs]]]  # and the logprobs of the rows that asked
+
+
+@dataclass
+class StartedPass:
+    """A forward pass whose kernels are launched and whose tokens are not read back yet."""
+
+    batch: ScheduledBatch
+    tokens: torch.Tensor  # [len(batch.sampling)] int64, on the device
+    captured: CapturedLogprobs | None
+    launched_at: float
+
+
+Start = Callable[..., StartedPass]
+Finish = Callable[[StartedPass], T]
+
+
+class ForwardThread:
+    """Runs each pass, launch and read-back, on the ``tidal-forward`` thread, overlapping the step loop."""
+
+    def __init__(self) -> None:
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tidal-forward")
+
+    def submit(self, start: Start, finish: Finish[T], *args) -> Future[T]:
+        return self._thread.submit(lambda: finish(start(*args)))
+
+
+class DeferredPasses:
+    """Runs each pass on the caller's thread, the first time its result is asked for.
+
+    The step loop asks at its next ``step()`` (or in ``abort()``), after it has emitted and
+    reported the previous step, so the order of a step is the same as with the thread.
+    """
+
+    def submit(self, start: Start, finish: Finish[T], *args) -> DeferredPass[T]:
+        return DeferredPass(lambda: finish(start(*args)))
+
+
+class LaunchedPasses:
+    """Launches each pass on the caller's thread now and reads its tokens back when asked.
+
+    For a device that computes on its own (CUDA): the launch only queues kernels, the step
+    loop goes on to emit the previous step while they run, and the read-back waits for them.
+    """
+
+    def submit(self, start: Start, finish: Finish[T], *args) -> DeferredPass[T]:
+        started = start(*args)
+        return DeferredPass(lambda: finish(started))
+
+
+class DeferredPass(Generic[T]):
+    def __init__(self, call: Callable[[], T]) -> None:
+        self._call: Callable[[], T] | None = call
+        self._value: T
+
+    def result(self) -> T:
+        if self._call is not None:
+            self._value = self._call()
+            self._call = None
+        return self._value
+
+
+PASSES: dict[str, Callable[[], ForwardThread | DeferredPasses | LaunchedPasses]] = {
+    "thread": ForwardThread, "deferred": DeferredPasses, "launched": LaunchedPasses}

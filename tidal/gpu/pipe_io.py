@@ -2,10 +2,11 @@
 
 The step loop never blocks on I/O. The reader thread decodes frames into an inbox the
 loop drains between steps, and hands abort ids straight to the engine's ``late_aborts``
-(applied in the middle of a step). The writer thread sends what the loop
-puts in the outbox; while the pipe is full (the frontend is behind), new step reports
-are *merged* into the pending one, request by request, so nothing is dropped and the
-loop never waits.
+(applied in the middle of a step). A step report goes out from the step loop itself when
+the writer thread is idle and the pipe takes the whole frame (a non-blocking write: no
+thread hand-off per step); otherwise the writer thread sends it, and while it is busy (the
+pipe is full: the frontend is behind), new step reports are *merged* into the pending one,
+request by request, so nothing is dropped and the loop never waits.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import collections
 import os
 import queue
+import select
 import threading
 
 from tidal.wire import (
@@ -77,12 +79,17 @@ class Outbox:
 
     def __init__(self, fd: int):
         self._fd = fd
+        os.set_blocking(fd, False)  # a write from the step loop must never wait for the frontend
         self._lock = threading.Condition()
         self._control: list = []  # Ready, Pong, EngineFailed: sent in order, before reports
         self._report: StepReport | None = None
         self._outputs: dict[int, RequestOutput] = {}
+        self._unsent = b""  # the rest of a frame the step loop could not write whole: sent first
+        self._writing = False  # the writer thread is writing (outside the lock)
+        self._broken = False  # the frontend is gone
         self._closed = False
         self.num_merged_reports = 0
+        self.num_direct_reports = 0  # written by the step loop itself
         self._thread = threading.Thread(target=self._run, name="tidal-engine-writer", daemon=True)
         self._thread.start()
 
@@ -93,6 +100,11 @@ class Outbox:
 
     def put_report(self, report: StepReport) -> None:
         with self._lock:
+            if self._broken:
+                return
+            if not (self._report or self._control or self._unsent or self._writing):
+                self._write_now(report)
+                return
             pending = self._report
             if pending is None:
                 self._report = report
@@ -111,6 +123,22 @@ class Outbox:
                 pending.stats = report.stats
             self._lock.notify()
 
+    def _write_now(self, report: StepReport) -> None:
+        """Write one report from the caller's thread (lock held, nothing else pending); what
+        the pipe does not take now is left to the writer thread."""
+        data = encode_frame(report)
+        try:
+            written = os.write(self._fd, data)
+        except BlockingIOError:
+            written = 0
+        except OSError:
+            self._broken = True  # the reader will see EOF and stop the loop
+            return
+        self.num_direct_reports += 1
+        if written < len(data):
+            self._unsent = data[written:]
+            self._lock.notify()
+
     def close(self, timeout: float = 5.0) -> None:
         """Flush what is pending, then stop the writer."""
         with self._lock:
@@ -121,28 +149,36 @@ class Outbox:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._control or self._report or self._closed):
+                while not (self._unsent or self._control or self._report or self._closed):
                     self._lock.wait()
+                unsent, self._unsent = self._unsent, b""
                 control, self._control = self._control, []
                 report, self._report = self._report, None
                 self._outputs = {}
                 closing = self._closed
-            data = b"".join(encode_frame(m) for m in control)
+                self._writing = True
+            data = unsent + b"".join(encode_frame(m) for m in control)
             if report is not None:
                 data += encode_frame(report)
             try:
                 if data:
                     _write_all(self._fd, data)
             except OSError:
-                return  # the frontend is gone; the reader will see EOF and stop the loop
-            if closing:
                 with self._lock:
-                    if not (self._control or self._report):
-                        return
+                    self._broken = True
+                return  # the frontend is gone; the reader will see EOF and stop the loop
+            with self._lock:
+                self._writing = False
+                if closing and not (self._unsent or self._control or self._report):
+                    return
 
 
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        written = os.write(fd, view)
+        try:
+            written = os.write(fd, view)
+        except BlockingIOError:
+            select.select([], [fd], [])  # the pipe is full: wait until the frontend reads
+            continue
         view = view[written:]
