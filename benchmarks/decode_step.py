@@ -117,7 +117,7 @@ def main() -> None:
                 fb = decode_batch(batch, args.context, config.vocab_size)
                 for _ in range(args.rounds):
                     for linears, model in models.items():
-                        def step(model=model) -> None:
+                        def step(model=model, fb=fb, caches=caches) -> None:
                             hidden = model(fb, caches)
                             model.compute_logits(hidden[fb.logits_indices])
 

@@ -52,8 +52,8 @@ def main() -> None:
         onednn, kernel = pack_weight(weight), pack_gemv_weight(weight)
         for m in (int(v) for v in args.rows.split(",")):
             x = torch.randn(m, k).bfloat16()
-            base = per_call(lambda: packed_linear(x, onednn, None), n * k * m, clock)
-            ours = per_call(lambda: ops.linear_bf16(x, kernel, n, None), n * k * m, clock)
+            base = per_call(lambda x=x, w=onednn: packed_linear(x, w, None), n * k * m, clock)
+            ours = per_call(lambda x=x, w=kernel, n=n: ops.linear_bf16(x, w, n, None), n * k * m, clock)
             print(f"| {n} x {k} | {m} | {base * 1e6:.1f} | {ours * 1e6:.1f} | {base / ours:.2f}x | "
                   f"{n * k * m / ours / 1e9:.0f} |", flush=True)
 

@@ -243,11 +243,22 @@ class EngineClient:
                 process.kill()  # a hung engine is not coming back; the reader task sees EOF
 
     async def _read_loop(self, process: trio.Process, splitter: FrameSplitter, bodies: list[bytes]) -> None:
-        stdout = process.stdout
+        # Wait, then read: one scheduling round and one read per engine report. (The stream's
+        # receive_some reads first, so every report cost a read that failed with EAGAIN, and it
+        # yields once more after the read.)
+        fd = process.stdout.fileno()
+        handle = self._handle
         while True:
             for body in bodies:
-                self._handle(decode_from_engine(body))
-            data = await stdout.receive_some(1 << 16)  # below malloc's mmap threshold: no page faults per read
+                handle(decode_from_engine(body))
+            await trio.lowlevel.wait_readable(fd)
+            try:
+                data = os.read(fd, 1 << 16)  # below malloc's mmap threshold: no page faults per read
+            except BlockingIOError:
+                bodies = []
+                continue
+            except OSError:
+                return  # the pipe broke: the same as EOF
             if not data:
                 return
             bodies = splitter.feed(data)

@@ -100,6 +100,34 @@ class BodyWriter:
         await _locked_send(self._server, self._raw, b"%x\r\n%s\r\n" % (len(data), data))
         return True
 
+    def ready(self) -> bool:
+        """The response is in its chunked body: ``write`` and ``send_now`` may write chunks."""
+        connection = self._h11.connection
+        return connection.our_state is self._send_body and type(connection._writer) is self._chunked
+
+    def send_now(self, data: bytes) -> bytes | None:
+        """Offer one chunk to the kernel without waiting, from any task. Only after ``ready()``
+        said True with no write of this body since (the response cannot leave the chunked body
+        state then: only its own writes move it on).
+
+        None: nothing was sent (a write in progress, the socket buffer full, the peer gone): use
+        ``write``. Otherwise the framed chunk's tail the kernel did not take (b"" when it took
+        all of it), which must go out (``write_framed``) before anything else. No checkpoint in
+        between, so no other write can come between the check and the send.
+        """
+        if self._server.send_lock.locked():
+            return None
+        framed = b"%x\r\n%s\r\n" % (len(data), data)
+        try:
+            sent = self._raw.send(framed)
+        except OSError:  # BlockingIOError included; a dead peer is met (and handled) by ``write``
+            return None
+        return framed[sent:]
+
+    async def write_framed(self, framed: bytes) -> None:
+        """The unsent tail ``send_now`` returned."""
+        await _locked_send(self._server, self._raw, framed)
+
 
 def body_writer(scope: dict) -> BodyWriter | None:
     """A direct writer for this HTTP/1.1 request's response body, or None (TLS, HTTP/2, not installed)."""

@@ -213,10 +213,15 @@ class Frontend:
             request = live.get(request_id)
             if request is not None and request.state is RequestState.QUEUED:
                 self._start(request)
+        now = trio.current_time()
+        num_tokens = 0
         for output in report.outputs:
             request = live.get(output.request_id)
             if request is not None:
-                self._deliver(request, output)
+                num_tokens += len(output.token_ids)
+                self._deliver(request, output, now)
+        if num_tokens:
+            self.metrics.generation_tokens_m.inc(num_tokens)  # once per report, not per request
         # report.finished needs nothing here: the engine forgets a request either after its
         # final output (handled above) or because the frontend aborted it (already final)
 
@@ -232,17 +237,15 @@ class Frontend:
             request.queue_scope.deadline = math.inf  # it left the queue in time
         self.metrics.queue_time_m.observe(trio.current_time() - request.arrival_time)
 
-    def _deliver(self, request: ActiveRequest, output: RequestOutput) -> None:
-        now = trio.current_time()
-        m = self.metrics
+    def _deliver(self, request: ActiveRequest, output: RequestOutput, now: float) -> None:
         if request.first_output_time is None:
             request.first_output_time = now
-            m.ttft_m.observe(now - request.arrival_time)
+            self.metrics.ttft_m.observe(now - request.arrival_time)
         else:
-            m.itl_m.observe(now - request.last_output_time)
+            self.metrics.itl_m.observe(now - request.last_output_time)
         request.last_output_time = now
-        m.generation_tokens_m.inc(len(output.token_ids))
         if output.finish_reason is not None:
+            m = self.metrics
             if request.state is RequestState.QUEUED:
                 self._start(request)
             request.move_to(RequestState.FINISHED)

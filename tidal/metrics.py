@@ -5,6 +5,8 @@ Gauges that describe the engine are filled from the engine's latest stats when s
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -13,6 +15,41 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 30
 ABORT_REASONS = ("client_disconnect", "client_cancel", "slow_client", "shutdown", "engine_error")
 REJECT_REASONS = ("queue_full", "queue_timeout", "preempted_by_priority", "shutdown")
 FINISH_REASONS = ("stop", "length")  # aborted requests are counted in requests_aborted
+
+
+class BatchedObservations:
+    """Observations of one histogram child, counted in plain ints and added to it when /metrics
+    is rendered (``flush``).
+
+    For the per-token histogram: prometheus-client's ``observe`` takes two locks and scans the
+    buckets one by one, which was a tenth of the frontend's per-token CPU. The bucket is chosen
+    the same way (the first upper bound >= the value), so the rendered values are the same.
+    Uses the child's bucket and sum values (prometheus-client internals since 0.4); if they are
+    not there, it observes each value directly.
+    """
+
+    __slots__ = ("_child", "_bounds", "_counts", "_sum", "observe")
+
+    def __init__(self, child) -> None:
+        self._child = child
+        self._bounds = list(getattr(child, "_upper_bounds", ()))
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        direct = not (self._bounds and hasattr(child, "_buckets") and hasattr(child, "_sum"))
+        self.observe = child.observe if direct else self._count
+
+    def _count(self, value: float) -> None:
+        self._counts[bisect_left(self._bounds, value)] += 1
+        self._sum += value
+
+    def flush(self) -> None:
+        counts, total = self._counts, self._sum
+        if total or any(counts):
+            self._counts, self._sum = [0] * len(counts), 0.0
+            for bucket, count in zip(self._child._buckets, counts):
+                if count:
+                    bucket.inc(count)
+            self._child._sum.inc(total)
 
 
 class Metrics:
@@ -88,7 +125,7 @@ class Metrics:
         for reason in FINISH_REASONS:
             self.finished.labels(m, reason)
         self.ttft_m = self.ttft.labels(m)
-        self.itl_m = self.itl.labels(m)
+        self.itl_m = BatchedObservations(self.itl.labels(m))  # one observation per engine output
         self.e2e_m = self.e2e.labels(m)
         self.queue_time_m = self.queue_time.labels(m)
         self.generation_tokens_m = self.generation_tokens.labels(m)
@@ -98,6 +135,7 @@ class Metrics:
 
     def render(self, stats, num_frontend_requests: int, replicas=()) -> bytes:
         """``replicas``: (index, serving, stats, num_restarts) of each data-parallel replica."""
+        self.itl_m.flush()
         m = self.model_name
         live = 0
         for index, serving, replica_stats, num_restarts in replicas:

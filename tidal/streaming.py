@@ -97,6 +97,11 @@ class OutputReader:
         return content
 
     @property
+    def caught_up(self) -> bool:
+        """Everything so far has been read and the request is not over: the next read would wait."""
+        return self._first is None and self.request.mailbox.idle
+
+    @property
     def has_output(self) -> bool:
         """Output is waiting to be read (reading it will not block)."""
         return self._first is not None or self.request.mailbox.has_pending
@@ -114,7 +119,15 @@ class OutputReader:
 
 
 class SseBody:
-    """The async iterable quart sends as a ``text/event-stream`` body."""
+    """The async iterable quart sends as a ``text/event-stream`` body.
+
+    Once the headers are out and the stream has caught up, its frames no longer pass through
+    this task: while it waits, the mailbox hands each new output to ``_offer``, which the
+    frontend's reader task runs right after the engine's report is decoded, and which sends the
+    frame to the socket at once (``BodyWriter.send_now``). So a stream that keeps up costs no
+    task wake-up per token. Anything else (the final frame, a full socket buffer, logprobs, tool
+    calls, ``stream_interval`` > 1) wakes this task and takes the ordinary path.
+    """
 
     def __init__(self, reader: OutputReader, encoder: ChunkEncoder, include_usage: bool,
                  writer: BodyWriter | None = None):
@@ -122,6 +135,10 @@ class SseBody:
         self.encoder = encoder
         self.include_usage = include_usage
         self.writer = writer  # writes frames straight to the socket once the headers are out
+        # one engine output is one frame, with nothing to hold back or accumulate
+        self._direct = (writer is not None and reader.stream_interval <= 1 and reader.logprobs is None
+                        and reader._tool_calls is None)
+        self._unsent = b""  # the tail of a frame the socket did not take in ``_offer``
 
     def __aiter__(self) -> "SseBody":
         return self
@@ -130,15 +147,45 @@ class SseBody:
         # quart sent the headers before asking for the first chunk: from here on, frames can go
         # straight to the socket; quart then only ends the body
         reader = self.reader
-        writer = self.writer
-        while writer is not None and not reader.done:
-            frame = await self._next_frame()
-            if not await writer.write(frame):
-                self.writer = None
-                return frame
+        mailbox = reader.request.mailbox
+        while self.writer is not None and not reader.done:
+            if self._unsent:
+                tail, self._unsent = self._unsent, b""
+                await self.writer.write_framed(tail)
+            elif self._direct and reader.caught_up and self.writer.ready():
+                mailbox.direct = self._offer
+                try:
+                    await mailbox.wait()
+                finally:
+                    mailbox.direct = None
+            else:
+                frame = await self._next_frame()
+                if not await self.writer.write(frame):
+                    self.writer = None
+                    return frame
         if reader.done:
             raise StopAsyncIteration
         return await self._next_frame()
+
+    def _offer(self, output: RequestOutput) -> bool:
+        """Send a non-final output's frame now, from the reader task; False: let this task do it."""
+        if output.logprobs is not None or output.error is not None:
+            return False
+        reader = self.reader
+        text = output.text
+        if text:  # no text (held back by the stop-string check): nothing to say yet
+            tail = self.writer.send_now(sse(self.encoder.chunk_json(text, None)))  # type: ignore[union-attr]
+            if tail is None:
+                return False
+            if tail:  # the socket is full: this task sends the rest, then waits for the client
+                self._unsent = tail
+                mailbox = reader.request.mailbox
+                mailbox.direct = None
+                mailbox.last_take_time = trio.current_time()
+                mailbox.wake()
+        reader.num_tokens += len(output.token_ids)
+        reader.num_cached_tokens = output.num_cached_tokens
+        return True
 
     async def _next_frame(self) -> bytes:
         reader = self.reader

@@ -86,7 +86,7 @@ def packed_linear_module(n: int, k: int, bias: bool) -> tuple[Linear, torch.Tens
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_runs_the_kernel_for_every_call_without_amx(ops, monkeypatch, bias):
-    import tidal.gpu.precision as precision
+    from tidal.gpu import precision
 
     monkeypatch.setattr(precision, "cpu_native_bf16", lambda: "avx512_bf16")
     linear, weight, b = packed_linear_module(50, 33, bias)
@@ -98,14 +98,19 @@ def test_linear_runs_the_kernel_for_every_call_without_amx(ops, monkeypatch, bia
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_with_amx_runs_the_kernel_for_decode_rows_and_onednn_above(ops, monkeypatch, bias):
-    import tidal.gpu.precision as precision
+    from tidal.gpu import precision
 
     monkeypatch.setattr(precision, "cpu_native_bf16", lambda: "amx_bf16")
     linear, weight, b = packed_linear_module(50, 33, bias)
     assert linear.gemv_packed is not None and linear.packed is not None and linear.weight is None
     calls = []
-    real = ops.linear_bf16
-    monkeypatch.setattr(linear, "_gemv", type("Spy", (), {"linear_bf16": lambda self, *a: calls.append(1) or real(*a)})())
+
+    class Spy:  # counts the kernel's calls
+        def linear_bf16(self, *args):
+            calls.append(1)
+            return ops.linear_bf16(*args)
+
+    monkeypatch.setattr(linear, "_gemv", Spy())
     for rows in (1, layers.AMX_GEMV_MAX_ROWS, layers.AMX_GEMV_MAX_ROWS + 1, 100):
         x = torch.randn(rows, 33).bfloat16()
         assert_linear_matches(linear(x), x, weight, b)
@@ -116,7 +121,7 @@ def test_linear_with_amx_runs_the_kernel_for_decode_rows_and_onednn_above(ops, m
 def test_linear_keeps_only_onednn_where_the_kernel_is_off(monkeypatch, why):
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this torch's oneDNN has no bf16")
-    import tidal.gpu.precision as precision
+    from tidal.gpu import precision
 
     if why == "no avx512_bf16":
         monkeypatch.setattr(precision, "cpu_native_bf16", lambda: None)

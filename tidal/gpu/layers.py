@@ -107,7 +107,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.gemv_packed: torch.Tensor | None = None
         self._gemv = None  # torch.ops.tidal_cpu once gemv_packed is set
-        self._gemv_rows = 0  # with a oneDNN copy too, calls of up to this many rows run the kernel
+        self._gemv_rows: int | None = None  # with a oneDNN copy too, calls of up to this many rows run the kernel
 
     @classmethod
     def packed_from(cls, weight: torch.Tensor) -> Linear:
@@ -120,17 +120,16 @@ class Linear(nn.Module):
 
     def pack(self) -> None:
         ops = gemv_ops(self.weight.dtype, self.weight.device)
-        max_rows = gemv_max_rows() if ops is not None else 0
         if ops is not None:
             self.gemv_packed = pack_gemv_weight(self.weight)
             self._gemv = ops
-            self._gemv_rows = max_rows or 0
-        if max_rows is not None:
+            self._gemv_rows = gemv_max_rows()
+        if ops is None or self._gemv_rows is not None:
             self.packed = pack_weight(self.weight)
         self.weight = None  # the plain copy would double the memory
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._gemv is not None and (self.packed is None or x.shape[0] <= self._gemv_rows):
+        if self._gemv is not None and (self._gemv_rows is None or x.shape[0] <= self._gemv_rows):
             return self._gemv.linear_bf16(x, self.gemv_packed, self.out_features, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)

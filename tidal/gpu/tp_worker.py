@@ -30,6 +30,7 @@ import msgspec
 from tidal.wire import HEADER_SIZE, EngineConfig, decode_config, encode_frame, frame_length
 
 DEFAULT_MASTER_PORT = 29500  # torch.distributed's
+STABLE_AFTER = 60.0  # seconds of life after which a replica's ranks' run of failures is forgotten
 
 
 def rendezvous_port(config: EngineConfig) -> int:
@@ -85,7 +86,8 @@ def run_rank() -> int:
                 runner.model.compute_logits(hidden[batch.logits_indices])  # sends this rank's vocab slice
     except RuntimeError as exc:  # a peer is gone (gloo: its socket closed; NCCL: the timeout): one line
         logging.getLogger("tidal.engine").error("leaving: a collective failed: %s", str(exc).splitlines()[0])
-        return 1
+        logging.shutdown()
+        os._exit(1)  # the group is broken: its teardown (atexit) would only wait on the dead peer
     tp.close()
     return 0
 
@@ -132,7 +134,8 @@ def run_node(config: EngineConfig, num_replicas: int, max_restarts: int) -> int:
     configs = [msgspec.structs.replace(config, data_parallel_rank=k, num_threads=threads)
                for k in range(num_replicas)]
     running = {k: [start_rank(c, r, rendezvous_port(c)) for r in ranks] for k, c in enumerate(configs)}
-    failures = dict.fromkeys(running, 0)
+    started = dict.fromkeys(running, time.monotonic())
+    failures = dict.fromkeys(running, 0)  # in a row: a life of STABLE_AFTER seconds forgets them
     code = 0
     try:
         while running:
@@ -141,6 +144,8 @@ def run_node(config: EngineConfig, num_replicas: int, max_restarts: int) -> int:
                 codes = [p.poll() for p in processes]
                 if any(c not in (None, 0) for c in codes):
                     _stop(processes)
+                    if time.monotonic() - started[k] > STABLE_AFTER:
+                        failures[k] = 0
                     failures[k] += 1
                     if failures[k] > max_restarts:
                         log.error("replica %d: ranks %s failed and --engine-restarts %d is used up; giving up",
@@ -148,9 +153,11 @@ def run_node(config: EngineConfig, num_replicas: int, max_restarts: int) -> int:
                         del running[k]
                         code = 3
                         continue
-                    log.warning("replica %d: a rank failed; restarting its ranks in %.0f s", k, 2.0 ** failures[k])
-                    time.sleep(min(30.0, 2.0 ** failures[k]))
+                    delay = min(30.0, 2.0 ** (failures[k] - 1))  # as the frontend's replicas: 1, 2, 4 ... s
+                    log.warning("replica %d: a rank failed; restarting its ranks in %.0f s", k, delay)
+                    time.sleep(delay)
                     running[k] = [start_rank(configs[k], r, rendezvous_port(configs[k])) for r in ranks]
+                    started[k] = time.monotonic()
                 elif all(c == 0 for c in codes):
                     del running[k]  # rank 0 shut the replica down
     finally:

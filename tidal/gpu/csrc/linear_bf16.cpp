@@ -11,8 +11,11 @@
 // rounding to bf16, as oneDNN does. On one Zen 4 core it runs at ~110 GMAC/s from M = 4 up (the
 // instruction's peak is ~117) and matches oneDNN at prefill sizes (docs/performance.md).
 //
-// The AVX512 code is compiled for that target whatever the build's flags; the Python side calls it
-// only when the CPU has avx512_bf16 (tidal/gpu/precision.py), and linear_bf16_supported() checks again.
+// The AVX512 code is compiled for that target whatever the build's flags (function attributes); the
+// Python side calls it only when the CPU has avx512_bf16 (tidal/gpu/precision.py), and
+// linear_bf16_supported() checks again. Off x86, or with a compiler that does not know the target (GCC
+// before 10, clang before 9), the op is built as a stub that reports itself unsupported, so the other
+// kernels of the library still build.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,7 +23,11 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#if (defined(__x86_64__) || defined(__i386__)) && \
+    ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
+#define TIDAL_AVX512_BF16 1
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -39,9 +46,6 @@ constexpr int64_t kPrefetch = 4;
 constexpr int64_t kChunkPairs = 1024;  // K pairs per pass with many rows: 4 blocks' slice is 256 KB, in L2
 constexpr int64_t kTaskBytes = 48 << 10;  // weight bytes below which another thread costs more than it saves
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
-
 struct Problem {
   const uint16_t* x;     // [M, K] bf16 bits, rows x_stride apart
   int64_t x_stride;
@@ -51,7 +55,11 @@ struct Problem {
   int64_t m, n, k, pairs;
 };
 
-inline __m512 widen_bias(const uint16_t* bias, int64_t col, int64_t valid) {
+#ifdef TIDAL_AVX512_BF16
+
+#define TIDAL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+TIDAL_TARGET inline __m512 widen_bias(const uint16_t* bias, int64_t col, int64_t valid) {
   const __mmask16 mask = valid >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
   const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + col);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
@@ -69,7 +77,7 @@ struct Ahead {
 // Out of line and with every loop over rows and blocks unrolled, so the sums stay in registers (inlined
 // into run_blocks, GCC kept them on the stack: 4x slower at one row).
 template <int ROWS, int BLOCKS>
-__attribute__((noinline)) void tile(const Problem& p, int64_t row, int64_t block, int64_t first, int64_t last, float* partial, Ahead ahead) {
+TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, int64_t block, int64_t first, int64_t last, float* partial, Ahead ahead) {
   constexpr int64_t kPartialRow = kMaxBlocks * kBlock;
   __m512 acc[ROWS][BLOCKS];
   _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r)
@@ -123,7 +131,7 @@ __attribute__((noinline)) void tile(const Problem& p, int64_t row, int64_t block
 }
 
 template <int BLOCKS>
-void tile_rows(const Problem& p, int64_t row, int64_t rows, int64_t block, int64_t first, int64_t last,
+TIDAL_TARGET void tile_rows(const Problem& p, int64_t row, int64_t rows, int64_t block, int64_t first, int64_t last,
                float* partial, Ahead ahead) {
   switch (rows) {
     case 1: return tile<1, BLOCKS>(p, row, block, first, last, partial, ahead);
@@ -138,7 +146,7 @@ void tile_rows(const Problem& p, int64_t row, int64_t rows, int64_t block, int64
 // would not stay in L2 (long K and many rows: prefill of a large model), K is walked in chunks that do.
 // With more than 4 rows, the passes after the first (computing from L2) prefetch the next slice into L2,
 // so its first pass does not wait on memory: the weight read overlaps the arithmetic.
-void run_blocks(const Problem& p, int64_t begin, int64_t end) {
+TIDAL_TARGET void run_blocks(const Problem& p, int64_t begin, int64_t end) {
   const int64_t chunk = p.m > kMaxRows ? kChunkPairs : p.pairs;
   const int64_t passes = (p.m + kMaxRows - 1) / kMaxRows;
   std::vector<float> partial(chunk < p.pairs ? p.m * kMaxBlocks * kBlock : 0);
@@ -178,13 +186,18 @@ void run_blocks(const Problem& p, int64_t begin, int64_t end) {
   }
 }
 
-#pragma GCC pop_options
-
 bool cpu_has_avx512_bf16() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl");
 }
+
+#else
+
+bool cpu_has_avx512_bf16() { return false; }
+void run_blocks(const Problem&, int64_t, int64_t) {}
+
+#endif  // TIDAL_AVX512_BF16
 
 // x [..., K] bf16 with a contiguous last dim; packed [ceil(N/16), ceil(K/2), 32] bf16 from
 // pack_gemv_weight; bias [N] bf16 or None. Returns [..., N] bf16, as F.linear(x, W, bias) would.

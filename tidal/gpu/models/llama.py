@@ -195,7 +195,8 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.gather_vocab(logits, self.config.vocab_size)
 
     def pack_weights(self) -> None:
-        """Prepack every matmul weight for oneDNN (``layers.pack_weight``); call once, after loading."""
+        """Pack every matmul weight once, after loading (``Linear.pack``: the AVX512-BF16 kernel's layout
+        where the CPU has it, else oneDNN's)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
