@@ -18,7 +18,7 @@ no 16 GB checkpoint is written or read. The tokenizer is a word-level one with 1
    checks, reports) stepping the same model at each ``--engine-batches`` size, greedy with
    ``ignore_eos``, prompts of 64 tokens; step time against the forward-only time of the same
    batch at the same context (graph replay) = the overhead not hidden behind the forward.
-   Once with CUDA graphs and once with ``--enforce-eager``.
+   With CUDA graphs (launch-now passes, then the forward thread, same run) and with ``--enforce-eager``.
 
 Part 1 also replays graphs captured with RMSNorm and rotary on their torch ops (what the CUDA
 model ran before they moved onto the Triton kernels), side by side in the same run.
@@ -303,14 +303,17 @@ def bench_engine(args, model_dir: str, device: torch.device) -> None:
     print(f"\n2. engine: greedy, ignore_eos, prompts of {PROMPT_LEN} tokens, {ENGINE_WARMUP_STEPS} warm-up steps, "
           f"{args.engine_steps} timed steps; forward-only = graph replay (eager launches for the eager engine) "
           f"of the same batch at context {context}")
-    print(f"{'mode':>6} {'batch':>6} {'step ms':>9} {'forward ms':>10} {'overhead ms':>11} {'steps/s':>8} "
+    print(f"{'mode':>14} {'batch':>6} {'step ms':>9} {'forward ms':>10} {'overhead ms':>11} {'steps/s':>8} "
           f"{'% of ideal':>10}")
-    modes = [("graphs", False), ("eager", True)] if device.type == "cuda" else [("eager", True)]
-    for mode, eager in modes:
+    # passes: "launched" (CUDA's default: the step loop queues the kernels and reads the tokens back
+    # at the next step) against "thread" (the forward thread used before), same run
+    modes = ([("graphs", False, "launched"), ("graphs/thread", False, "thread"), ("eager", True, "launched")]
+             if device.type == "cuda" else [("eager", True, None)])
+    for mode, eager, passes in modes:
         engine = Engine(EngineConfig(
             model=model_dir, device=str(device), dtype="bfloat16", max_num_seqs=max_batch,
             max_num_batched_tokens=max(2048, PROMPT_LEN * max_batch // 2), num_kv_blocks=num_blocks,
-            max_model_len=tokens_per_seq + 64, enforce_eager=eager))
+            max_model_len=tokens_per_seq + 64, enforce_eager=eager), passes=passes)
         runner = engine.runner
         next_id = 0
         for batch in args.engine_batches:
@@ -326,7 +329,7 @@ def bench_engine(args, model_dir: str, device: torch.device) -> None:
                     forward_ms = time_ms(
                         lambda: runner.model.compute_logits(runner.model(fb, runner.kv_caches)), device, args.iters)
             step_ms = step_s * 1e3
-            print(f"{mode:>6} {batch:>6} {step_ms:>9.3f} {forward_ms:>10.3f} {step_ms - forward_ms:>11.3f} "
+            print(f"{mode:>14} {batch:>6} {step_ms:>9.3f} {forward_ms:>10.3f} {step_ms - forward_ms:>11.3f} "
                   f"{1e3 / step_ms:>8.0f} {100 * forward_ms / step_ms:>9.0f}%")
         del engine, runner
         gc.collect()

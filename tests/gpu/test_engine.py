@@ -96,10 +96,10 @@ def test_batch_with_chunked_prefill_preemption_and_prefix_hits(model_dir, hf_mod
     assert stats.num_prefix_hit_tokens > 0, "the shared system prompt was served from the prefix cache"
 
 
-@pytest.mark.parametrize("forward_thread", [False, True], ids=["deferred", "thread"])
-def test_abort_mid_step_frees_blocks_and_drops_the_token(model_dir, forward_thread):
+@pytest.mark.parametrize("passes", ["deferred", "thread", "launched"])
+def test_abort_mid_step_frees_blocks_and_drops_the_token(model_dir, passes):
     engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=32, block_size=8),
-                    forward_thread=forward_thread)
+                    passes=passes)
     engine.add_request(AddRequest(1, list(range(10, 30)), greedy(50), 0, 0.0))
     engine.add_request(AddRequest(2, list(range(40, 50)), greedy(50), 0, 0.0))
     engine.step()
@@ -118,13 +118,13 @@ def test_abort_mid_step_frees_blocks_and_drops_the_token(model_dir, forward_thre
     assert engine.block_manager.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("forward_thread", [False, True], ids=["deferred", "thread"])
-def test_abort_between_steps_waits_for_the_pass_in_flight(model_dir, forward_thread):
+@pytest.mark.parametrize("passes", ["deferred", "thread", "launched"])
+def test_abort_between_steps_waits_for_the_pass_in_flight(model_dir, passes):
     """The process loop handles aborts between steps, while the next forward pass already runs
     (or, deferred, is launched but not yet run): the blocks are free when abort() returns, and
     that pass's token for the request never shows."""
     engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=32, block_size=8),
-                    forward_thread=forward_thread)
+                    passes=passes)
     engine.add_request(AddRequest(1, list(range(10, 30)), greedy(50), 0, 0.0))
     engine.add_request(AddRequest(2, list(range(40, 50)), greedy(50), 0, 0.0))
     engine.step()
@@ -139,13 +139,15 @@ def test_abort_between_steps_waits_for_the_pass_in_flight(model_dir, forward_thr
     assert engine.block_manager.num_used_blocks == 0 and not engine.has_work()
 
 
-def test_forward_thread_gives_the_same_tokens(model_dir, hf_model):
-    """The thread that CUDA and tidal-test use for passes computes what the CPU's deferred passes do."""
+@pytest.mark.parametrize("passes", ["thread", "launched"])
+def test_other_passes_give_the_same_tokens(model_dir, hf_model, passes):
+    """The thread tidal-test uses and the launch-now passes CUDA uses compute what the CPU's
+    deferred passes do: transformers' greedy tokens."""
     vocab = hf_model.config.vocab_size
     reqs = prompts(5, 4, 3, 40, vocab)
     expected = {i: hf_greedy(hf_model, p, 8) for i, p in enumerate(reqs)}
     engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=32, block_size=8,
-                                 max_num_batched_tokens=24), forward_thread=True)
+                                 max_num_batched_tokens=24), passes=passes)
     assert run_engine(engine, {i: (p, greedy(8)) for i, p in enumerate(reqs)}) == expected
 
 

@@ -49,9 +49,9 @@ log = logging.getLogger("tidal.engine")
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, forward_thread: bool | None = None):
-        """``forward_thread``: run passes on a thread (True) or deferred on the step loop's (False);
-        None picks by device (``_device_overlaps``). Tests and benchmarks compare the two."""
+    def __init__(self, config: EngineConfig, passes: str | None = None):
+        """``passes``: where forward passes run, a key of ``PASSES`` ("thread", "deferred" or
+        "launched"); None picks by device (``_default_passes``). Tests and benchmarks compare them."""
         self.config = config
         torch.manual_seed(config.seed)  # unseeded requests draw from the global generator
         self.runner = ModelRunner(config)
@@ -79,14 +79,16 @@ class Engine:
         # ids whose abort arrived while a forward pass ran: the pipe reader thread appends
         # them (deque appends are thread-safe) and the step applies them in its abort window
         self.late_aborts: collections.deque[list[int]] = collections.deque()
-        # Where forward passes run (at most one is in flight). A device that computes on its own
-        # (CUDA; tidal-test, whose pass is a sleep) gets a thread, so the step loop's own work
-        # overlaps the pass. On a CPU the pass is host work on every core: a thread there only
-        # adds two thread hand-offs per step and a GIL tug-of-war with the step loop, so the pass
-        # runs on the step loop's thread when its result is first wanted (docs/engine.md).
-        if forward_thread is None:
-            forward_thread = self._device_overlaps()
-        self._passes = ForwardThread() if forward_thread else DeferredPasses()
+        # Where forward passes run (at most one is in flight). On CUDA kernel launches return at
+        # once: the step loop launches the pass itself and waits on the device only when it wants
+        # the tokens, so emitting the last step overlaps the pass with no thread and no GIL hand-off.
+        # tidal-test's pass is a sleep, which needs a thread to overlap. On a CPU the pass is host
+        # work on every core: a thread there only adds two thread hand-offs per step and a GIL
+        # tug-of-war with the step loop, so the pass runs on the step loop's thread when its result
+        # is first wanted (docs/engine.md).
+        if passes is None:
+            passes = self._default_passes()
+        self._passes = PASSES[passes]()
         self._in_flight: InFlight | None = None
         self.min_step_time = config.min_step_time
         self._sampling_rows: list[int] = []  # the forward thread's persistent sampling batch
@@ -210,31 +212,38 @@ class Engine:
             self._dirty = True
         if not batch:
             return None
-        return InFlight(batch, self._passes.submit(self._forward, batch, time.monotonic()))
+        return InFlight(batch, self._passes.submit(self._start_pass, self._finish_pass, batch, time.monotonic()))
 
-    def _device_overlaps(self) -> bool:
-        """Whether a forward pass leaves the host's cores free for the step loop meanwhile."""
-        return self.runner.device.type != "cpu" or isinstance(self.runner.model, SyntheticModel)
+    def _default_passes(self) -> str:
+        if isinstance(self.runner.model, SyntheticModel):
+            return "thread"  # its pass is a sleep: only a thread overlaps it
+        return "launched" if self.runner.device.type == "cuda" else "deferred"
 
     @torch.inference_mode()
-    def _forward(self, batch: ScheduledBatch, launched_at: float) -> tuple[list[int], dict[int, Logprobs]]:
-        """The device's share of a step: one forward pass, one sampled token per ``batch.sampling``,
-        and the logprobs of the sequences that asked (request id -> one token's), taken before
-        the grammar mask and the sampler edit the logits.
+    def _start_pass(self, batch: ScheduledBatch, launched_at: float) -> StartedPass:
+        """The device's share of a step, launched: one forward pass, one sampled token per
+        ``batch.sampling`` (a device tensor, not yet read back), and the log-softmax of the rows
+        that asked for logprobs, taken before the grammar mask and the sampler edit the logits.
 
-        Runs on the forward thread (or deferred, on the step loop's); reads the batch's
-        sequences, changes nothing the step loop reads. With ``min_step_time`` (the test
-        model) it lasts at least that long from its launch.
+        Reads the batch's sequences, changes nothing the step loop reads. On CUDA it returns as
+        soon as the kernels are queued.
         """
         logits = self.runner.execute(batch.entries)
         sampling = self._sampling_batch(batch.sampling)
         captured = CapturedLogprobs.capture(logits, sampling.params)  # None when no row asks
         self.grammars.apply_mask(logits, batch.sampling)  # constrained rows only
-        tokens = self.sampler.sample_batch(logits, sampling)
+        return StartedPass(batch, self.sampler.sample_tokens(logits, sampling), captured, launched_at)
+
+    def _finish_pass(self, started: StartedPass) -> tuple[list[int], dict[int, Logprobs]]:
+        """The tokens of a launched pass (waits for the device) and the logprobs of the rows
+        that asked (request id -> one token's). With ``min_step_time`` (the test model) the pass
+        lasts at least that long from its launch."""
+        tokens = started.tokens.tolist()
+        captured, sampling = started.captured, started.batch.sampling
         logprobs = {} if captured is None else {
-            batch.sampling[i].request_id: lp for i, lp in captured.for_tokens(tokens).items()}
+            sampling[i].request_id: lp for i, lp in captured.for_tokens(tokens).items()}
         if self.min_step_time:
-            remaining = self.min_step_time - (time.monotonic() - launched_at)
+            remaining = self.min_step_time - (time.monotonic() - started.launched_at)
             if remaining > 0:
                 time.sleep(remaining)
         return tokens, logprobs
@@ -346,14 +355,28 @@ class InFlight:
     tokens: PendingResult[tuple[list[int], dict[int, Logprobs]]]  # and the logprobs of the rows that asked
 
 
+@dataclass
+class StartedPass:
+    """A forward pass whose kernels are launched and whose tokens are not read back yet."""
+
+    batch: ScheduledBatch
+    tokens: torch.Tensor  # [len(batch.sampling)] int64, on the device
+    captured: CapturedLogprobs | None
+    launched_at: float
+
+
+Start = Callable[..., StartedPass]
+Finish = Callable[[StartedPass], T]
+
+
 class ForwardThread:
-    """Runs each pass on the ``tidal-forward`` thread, overlapping the step loop."""
+    """Runs each pass, launch and read-back, on the ``tidal-forward`` thread, overlapping the step loop."""
 
     def __init__(self) -> None:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tidal-forward")
 
-    def submit(self, fn: Callable[..., T], *args) -> Future[T]:
-        return self._thread.submit(fn, *args)
+    def submit(self, start: Start, finish: Finish[T], *args) -> Future[T]:
+        return self._thread.submit(lambda: finish(start(*args)))
 
 
 class DeferredPasses:
@@ -363,18 +386,33 @@ class DeferredPasses:
     reported the previous step, so the order of a step is the same as with the thread.
     """
 
-    def submit(self, fn: Callable[..., T], *args) -> DeferredPass[T]:
-        return DeferredPass(fn, args)
+    def submit(self, start: Start, finish: Finish[T], *args) -> DeferredPass[T]:
+        return DeferredPass(lambda: finish(start(*args)))
+
+
+class LaunchedPasses:
+    """Launches each pass on the caller's thread now and reads its tokens back when asked.
+
+    For a device that computes on its own (CUDA): the launch only queues kernels, the step
+    loop goes on to emit the previous step while they run, and the read-back waits for them.
+    """
+
+    def submit(self, start: Start, finish: Finish[T], *args) -> DeferredPass[T]:
+        started = start(*args)
+        return DeferredPass(lambda: finish(started))
 
 
 class DeferredPass(Generic[T]):
-    def __init__(self, fn: Callable[..., T], args: tuple) -> None:
-        self._call: tuple[Callable[..., T], tuple] | None = (fn, args)
+    def __init__(self, call: Callable[[], T]) -> None:
+        self._call: Callable[[], T] | None = call
         self._value: T
 
     def result(self) -> T:
         if self._call is not None:
-            fn, args = self._call
-            self._value = fn(*args)
+            self._value = self._call()
             self._call = None
         return self._value
+
+
+PASSES: dict[str, Callable[[], ForwardThread | DeferredPasses | LaunchedPasses]] = {
+    "thread": ForwardThread, "deferred": DeferredPasses, "launched": LaunchedPasses}

@@ -87,23 +87,28 @@ class Sampler:
         return self.sample_batch(logits, SamplingBatch(params, output_token_ids, prompt_token_ids, generators))
 
     def sample_batch(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
-        """``sample`` with the per-row inputs already sorted: the one place logits become tokens."""
+        """``sample`` with the per-row inputs already sorted."""
+        return self.sample_tokens(logits, batch).tolist()
+
+    def sample_tokens(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The one place logits become tokens: one int64 token id per row, left on the logits'
+        device (reading it back is the caller's choice of when to wait for the device)."""
         num_rows = logits.shape[0]
         if num_rows == 0:
-            return []
+            return torch.empty(0, dtype=torch.int64, device=logits.device)
         params, generators, sampled = batch.params, batch.generators, batch.sampled_rows
         if batch.penalised:
             apply_penalties(logits, params, batch.output_token_ids, batch.prompt_token_ids)
         if not sampled:
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
         if len(sampled) == num_rows:
-            return _sample_rows(logits, params, generators).tolist()
+            return _sample_rows(logits, params, generators)
 
         tokens = logits.argmax(dim=-1)
         rows = torch.tensor(sampled, device=logits.device)
         tokens[rows] = _sample_rows(
             logits[rows], [params[i] for i in sampled], [generators[i] for i in sampled])
-        return tokens.tolist()
+        return tokens
 
 
 # ------------------------------------------------------------------ penalties
