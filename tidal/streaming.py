@@ -1,10 +1,11 @@
 """From a request's mailbox to the bytes of its response: SSE frames, or the final JSON.
 
 The body is a small async-iterator class rather than a generator so that ``aclose`` always
-runs our cleanup, and every frame is a real checkpoint (a mailbox ``take``), which keeps a
-handler whose client vanished from spinning (hypercorn's send becomes a no-op then).
-Whatever the engine produced while the client was still writing the previous frame is
-sent as one frame: one socket send for many tokens.
+runs our cleanup, and every frame its task sends is a real checkpoint (a mailbox ``take`` or
+``wait``), which keeps a handler whose client vanished from spinning (hypercorn's send becomes
+a no-op then). Whatever the engine produced while the client was still writing the previous
+frame is sent as one frame: one socket send for many tokens. A stream that has caught up has
+its frames sent by the engine reader task instead (``SseBody._offer``): no wake-up per token.
 """
 
 from __future__ import annotations
@@ -174,7 +175,11 @@ class SseBody:
         reader = self.reader
         text = output.text
         if text:  # no text (held back by the stop-string check): nothing to say yet
-            tail = self.writer.send_now(sse(self.encoder.chunk_json(text, None)))  # type: ignore[union-attr]
+            try:
+                frame = sse(self.encoder.chunk_json(text, None))
+            except Exception:  # whatever it is, it belongs to this request's task, not the reader's
+                return False
+            tail = self.writer.send_now(frame)  # type: ignore[union-attr]
             if tail is None:
                 return False
             if tail:  # the socket is full: this task sends the rest, then waits for the client

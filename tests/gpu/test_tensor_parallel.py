@@ -253,8 +253,8 @@ def test_two_replicas_of_two_ranks_each_meet_at_their_own_port_and_both_serve():
         # replica k's rank 0 holds the rendezvous store at --master-port + k
         assert sorted(p for ports in listening for p in ports & {port, port + 1}) == [port, port + 1]
         streams = []
-        for i in range(2):  # the second is routed to the other, idle replica
-            stream = RawHttp(server.port, "/v1/completions", completion_body(unique_prompt(8, seed=10 + i), 12))
+        for i in range(2):  # the second is routed to the other, idle replica (the first runs >= 3 s)
+            stream = RawHttp(server.port, "/v1/completions", completion_body(unique_prompt(8, seed=10 + i), 60))
             stream.next_chunk()
             streams.append(stream)
         for stream in streams:
