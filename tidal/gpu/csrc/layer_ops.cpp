@@ -22,7 +22,7 @@ namespace {
 
 using namespace tidal_cpu;
 
-constexpr int64_t kElementsPerTask = 16384;  // below this a thread costs more than it saves
+constexpr int64_t kElementsPerTask = 65536;  // below this a thread costs more than it saves
 
 // Scalar twins of vec8.h's loads and stores, for the tails of rows whose length is not a multiple of 8.
 inline float load1(const float* p) { return *p; }

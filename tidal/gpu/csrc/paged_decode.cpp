@@ -195,7 +195,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& k_cache, const at::Te
   // enough (sequence, kv head) tasks per chunk that a chunk is worth a thread (~64k flops)
   const int64_t tasks = num_seqs * num_kv_heads;
   const int64_t flops_per_task = std::max<int64_t>(1, 4 * group * dim * total_len / std::max<int64_t>(1, num_seqs));
-  const int64_t grain = std::max<int64_t>(1, 65536 / flops_per_task);
+  const int64_t grain = std::max<int64_t>(1, (1 << 20) / flops_per_task);
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t task = begin; task < end; ++task) {
