@@ -44,7 +44,7 @@ constexpr int kMaxRows = 4;         // rows of x one tile serves from each weigh
 // 0-8 lines measured the same on Zen 4 (~21 GB/s from DRAM on one core, CPU time), 16 and more slower.
 constexpr int64_t kPrefetch = 4;
 constexpr int64_t kChunkPairs = 1024;  // K pairs per pass with many rows: 4 blocks' slice is 256 KB, in L2
-constexpr int64_t kTaskBytes = 256 << 10;  // weight bytes below which another thread costs more than it saves
+constexpr int64_t kTaskBytes = 1 << 20;  // weight bytes below which another thread costs more than it saves
 
 struct Problem {
   const uint16_t* x;     // [M, K] bf16 bits, rows x_stride apart
