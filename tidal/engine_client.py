@@ -46,6 +46,9 @@ from tidal.wire import (
 
 log = logging.getLogger("tidal.engine_client")
 
+# spins before an OpenMP thread sleeps at a barrier (~10 us here); see EngineClient.run
+OMP_SPIN_COUNT = "10000"
+
 
 class EngineDead(Exception):
     """The engine process died, hung or failed; requests in flight cannot finish."""
@@ -144,10 +147,12 @@ class EngineClient:
         if the engine exits, hangs or fails on its own.
         """
         env = dict(os.environ)
-        # The engine shares the machine with this process. OpenMP threads that spin at their
-        # barriers while a sibling is descheduled turn a 0.4 ms matmul into 6 ms on a busy
-        # 2-core box (docs/performance.md); sleeping threads cost far less.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # OpenMP threads wait at each kernel's end: sleeping at once costs a futex wake per
+        # parallel region (small decodes 1.25-1.4x slower on a quiet 2-core host), spinning for
+        # long (libgomp's default) stalls a busy host. A short spin, then sleep, keeps most of
+        # both (docs/performance.md, "OpenMP waits"); the user's own setting wins.
+        if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+            env["GOMP_SPINCOUNT"] = OMP_SPIN_COUNT
         process = await trio.lowlevel.open_process(
             [sys.executable, "-m", "tidal.gpu"],
             stdin=subprocess.PIPE,
