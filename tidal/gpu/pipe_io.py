@@ -18,15 +18,35 @@ import select
 import threading
 
 from tidal.wire import (
+    HEADER_SIZE,
     AbortRequests,
+    EngineConfig,
     FrameSplitter,
     RequestOutput,
     Shutdown,
     StepReport,
     ToEngine,
+    decode_config,
     decode_to_engine,
     encode_frame,
+    frame_length,
 )
+
+
+def read_config(fd: int) -> EngineConfig:
+    """The one EngineConfig frame a parent writes to a new engine or rank process, read blocking."""
+    return decode_config(_read_exact(fd, frame_length(_read_exact(fd, HEADER_SIZE))))
+
+
+def _read_exact(fd: int, size: int) -> bytes:
+    chunks = []
+    while size:
+        data = os.read(fd, size)
+        if not data:
+            raise EOFError("the parent closed the pipe before sending the engine config")
+        chunks.append(data)
+        size -= len(data)
+    return b"".join(chunks)
 
 # The reader blocks (and the pipe fills, pushing back on the frontend) past this many
 # undrained messages. The frontend's own admission bound keeps it far below this.

@@ -12,6 +12,7 @@ import logging
 import os
 import traceback
 
+from tidal.gpu.pipe_io import Inbox, Outbox, read_config
 from tidal.wire import (
     AbortRequests,
     AddRequest,
@@ -19,33 +20,17 @@ from tidal.wire import (
     Ping,
     Pong,
     Shutdown,
-    decode_config,
-    frame_length,
-    HEADER_SIZE,
 )
 
 log = logging.getLogger("tidal.engine")
 
 
-def _read_exact(fd: int, size: int) -> bytes:
-    chunks = []
-    while size:
-        data = os.read(fd, size)
-        if not data:
-            raise EOFError("frontend closed the pipe before sending the engine config")
-        chunks.append(data)
-        size -= len(data)
-    return b"".join(chunks)
-
-
 def run_engine_process(in_fd: int, out_fd: int) -> int:
     logging.basicConfig(level=os.environ.get("TIDAL_ENGINE_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s engine %(levelname)s %(message)s")
-    config = decode_config(_read_exact(in_fd, frame_length(_read_exact(in_fd, HEADER_SIZE))))
+    config = read_config(in_fd)
 
     # Everything below the config read may fail; the frontend must hear why.
-    from tidal.gpu.pipe_io import Inbox, Outbox
-
     outbox = Outbox(out_fd)
     try:
         import torch

@@ -27,7 +27,8 @@ import time
 
 import msgspec
 
-from tidal.wire import HEADER_SIZE, EngineConfig, decode_config, encode_frame, frame_length
+from tidal.gpu.pipe_io import read_config
+from tidal.wire import EngineConfig, encode_frame
 
 DEFAULT_MASTER_PORT = 29500  # torch.distributed's
 STABLE_AFTER = 60.0  # seconds of life after which a replica's ranks' run of failures is forgotten
@@ -63,7 +64,7 @@ def start_rank(config: EngineConfig, rank: int, master_port: int | str) -> subpr
 
 def run_rank() -> int:
     _die_with_parent()
-    config = decode_config(_read_exact(0, frame_length(_read_exact(0, HEADER_SIZE))))
+    config = read_config(0)
     threading.Thread(target=_exit_at_eof, args=(0,), name="tidal-tp-parent", daemon=True).start()
     rank = int(os.environ["RANK"])
     logging.basicConfig(level=os.environ.get("TIDAL_ENGINE_LOG_LEVEL", "WARNING"),
@@ -105,16 +106,6 @@ def _exit_at_eof(fd: int) -> None:
         pass
     os._exit(1)
 
-
-def _read_exact(fd: int, size: int) -> bytes:
-    chunks = []
-    while size:
-        data = os.read(fd, size)
-        if not data:
-            raise EOFError("the parent closed the pipe before sending the engine config")
-        chunks.append(data)
-        size -= len(data)
-    return b"".join(chunks)
 
 
 # ---------------------------------------------------------------------- a headless node
@@ -184,7 +175,7 @@ def main() -> int:
         return run_rank()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # through run_node's finally: its ranks stop too
-    config = decode_config(_read_exact(0, frame_length(_read_exact(0, HEADER_SIZE))))
+    config = read_config(0)
     return run_node(config, args.replicas, args.restarts)
 
 
