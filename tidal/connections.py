@@ -25,12 +25,19 @@ hypercorn arms the timer, so the timer is never armed and idle connections are n
 all. tidal shields a response's final send (``frontend._shield_final_send``, needed so that an
 early 401/404/413 closes the connection properly), which arms the timer as hypercorn intends.)
 
+**One keep-alive timer task per connection.** hypercorn's timer (``TrioSingleTask``) is a new
+task for every idle period: each request cancelled one (under a lock) and each response spawned
+the next through ``nursery.start``, a tenth of the frontend's CPU per request.
+``KeepAliveTimer`` keeps one task per connection, parked for the connection's whole life; arming
+and disarming only move its cancel scope's deadline, which wakes nobody.
+
 If hypercorn's internals ever change shape, ``install`` leaves them alone and returns False.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import resource
 import socket
 import time
@@ -138,13 +145,13 @@ def install() -> bool:
         from hypercorn.trio.tcp_server import TCPServer
     except ImportError:  # pragma: no cover - hypercorn without its trio worker
         return False
-    if not all(hasattr(TCPServer, name) for name in ("_read_data", "_idle_timeout")):
+    if not all(hasattr(TCPServer, name) for name in ("_read_data", "_initiate_server_close")):
         return False  # pragma: no cover - another hypercorn
     original_read_data = TCPServer._read_data
-    original_idle_timeout = TCPServer._idle_timeout
     original_run = TCPServer.run
 
     async def run(self) -> None:
+        self.idle_task = KeepAliveTimer(self)
         limit = getattr(self.config, "tidal_connection_limit", None)
         if limit is None:
             await original_run(self)
@@ -153,16 +160,75 @@ def install() -> bool:
 
     async def _read_data(self) -> None:
         await original_read_data(self)  # returns once the peer closed (or the read failed)
-        self._tidal_peer_gone = True
-        await self.idle_task.stop()
-
-    async def _idle_timeout(self) -> None:
-        if getattr(self, "_tidal_peer_gone", False):
-            return  # a response that completed after the peer closed: nothing to keep alive
-        await original_idle_timeout(self)
+        self.idle_task.end()  # a response that completes after this has nothing to keep alive
 
     TCPServer.run = run
     TCPServer._read_data = _read_data
-    TCPServer._idle_timeout = _idle_timeout
     _installed = True
     return True
+
+
+class KeepAliveTimer:
+    """hypercorn's keep-alive timer (``TCPServer.idle_task``: ``restart`` when a connection goes
+    idle, ``stop`` when its next request starts) as one task per connection.
+
+    Same behaviour as hypercorn's ``_idle_timeout``: a connection idle for ``keep_alive_timeout``
+    seconds, or idle once the worker is terminating, is closed (``_initiate_server_close``,
+    shielded). The task waits for the worker's termination under a cancel scope whose deadline
+    is the idle deadline while armed and infinite otherwise, so arming and disarming wake no
+    task. ``end`` (the peer closed: nothing to keep alive) ends it without closing.
+    """
+
+    __slots__ = ("_server", "_deadline", "_scope", "_started", "_ended", "_armed_lot")
+
+    def __init__(self, server) -> None:
+        self._server = server
+        self._deadline = math.inf  # when the connection is closed for idleness (inf: not idle)
+        self._scope: trio.CancelScope | None = None  # the task's wait, while it waits
+        self._started = False
+        self._ended = False
+        self._armed_lot = trio.lowlevel.ParkingLot()  # the task waiting for the connection to go idle
+
+    async def restart(self, task_group, action=None) -> None:
+        """The connection is idle from now on (``action`` is hypercorn's; this class is its own)."""
+        if self._ended:
+            return
+        self._set_deadline(trio.current_time() + self._server.config.keep_alive_timeout)
+        if not self._started:
+            self._started = True
+            task_group._nursery.start_soon(self._run)
+        self._armed_lot.unpark_all()
+
+    async def stop(self) -> None:
+        """A request started: the connection is not idle."""
+        self._set_deadline(math.inf)
+
+    def end(self) -> None:
+        """Reading is over (the peer closed): stop the task without closing the connection."""
+        self._ended = True
+        self._set_deadline(math.inf)
+        if self._scope is not None:
+            self._scope.cancel()
+        self._armed_lot.unpark_all()
+
+    def _set_deadline(self, deadline: float) -> None:
+        self._deadline = deadline
+        if self._scope is not None:
+            self._scope.deadline = deadline
+
+    async def _run(self) -> None:
+        server = self._server
+        terminated = server.context.terminated
+        while not self._ended:
+            with trio.CancelScope(deadline=self._deadline) as scope:
+                self._scope = scope
+                await terminated.wait()
+            self._scope = None
+            if self._ended:
+                return
+            if math.isinf(self._deadline):  # terminating while a request runs: close once idle
+                await self._armed_lot.park()
+                continue
+            with trio.CancelScope(shield=True):
+                await server._initiate_server_close()
+            return
