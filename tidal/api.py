@@ -49,12 +49,26 @@ _HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "
                      413: "invalid_request_error"}
 
 
+# (status, headers, body): body bytes, or an async iterable of SSE frames (SseBody, ChoicesSseBody)
+Answer = tuple[int, dict[str, str], Any]
+
+
+def error_answer(error: ApiError) -> Answer:
+    return error.status, {"Content-Type": "application/json", **error.headers}, error.json()
+
+
+def json_answer(obj: Any, status: int = 200) -> Answer:
+    return status, {"Content-Type": "application/json"}, msgspec.json.encode(obj)
+
+
 def error_response(error: ApiError) -> Response:
-    return Response(error.json(), error.status, {"Content-Type": "application/json", **error.headers})
+    status, headers, body = error_answer(error)
+    return Response(body, status, headers)
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(obj), status, {"Content-Type": "application/json"})
+    status, headers, body = json_answer(obj, status)
+    return Response(body, status, headers)
 
 
 def auth_error(api_key: str | None, authorization: str) -> ApiError | None:
@@ -142,38 +156,44 @@ class Api:
         return OutputReader(self.frontend, active, first, interval,  # type: ignore[arg-type]
                             self.logprobs_formatter(checked), self.tool_call_stream(checked))
 
-    async def complete(self, kind: str, body: bytes | dict) -> Response:
+    async def respond(self, kind: str, body: bytes | dict, scope: dict) -> Answer:
+        """A completion request's answer, for any transport: (status, headers, body), the body
+        bytes or the SSE body iterable (``scope``: the ASGI scope, for the direct frame writer)."""
         try:
             actives, checked = await self.admit_choices(kind, body)
             readers = [await self.first_output(active, checked) for active in actives]
         except ApiError as error:
-            return error_response(error)
+            return error_answer(error)
         if len(readers) > 1:
-            return await self._complete_choices(kind, readers, checked)
+            return await self._respond_choices(kind, readers, checked, scope)
         active, reader = actives[0], readers[0]
         encoder = ChunkEncoder(kind, self.model_name)  # type: ignore[arg-type]
         if checked.stream:
-            body = SseBody(reader, encoder, checked.include_usage, fast_send.body_writer(request.scope))
-            return Response(body, 200, _SSE_HEADERS)
+            return 200, _SSE_HEADERS, SseBody(reader, encoder, checked.include_usage, fast_send.body_writer(scope))
         try:
-            return json_response(await collect(reader, encoder))
+            return json_answer(await collect(reader, encoder))
         except ApiError as error:
-            return error_response(error)
+            return error_answer(error)
         finally:
             self.frontend.close(active)
 
+    async def complete(self, kind: str, body: bytes | dict) -> Response:
+        """``respond`` as quart's Response (the route of a request ``completion_route`` left to quart)."""
+        status, headers, content = await self.respond(kind, body, request.scope)
+        return Response(content, status, headers)
 
-    async def _complete_choices(self, kind: str, readers: list[OutputReader], checked: Validated) -> Response:
+    async def _respond_choices(self, kind: str, readers: list[OutputReader], checked: Validated,
+                               scope: dict) -> Answer:
         first = ChunkEncoder(kind, self.model_name)  # type: ignore[arg-type]
         encoders = [first] + [ChunkEncoder(kind, self.model_name, i, first)  # type: ignore[arg-type]
                               for i in range(1, len(readers))]
         if checked.stream:
-            body = ChoicesSseBody(readers, encoders, checked.include_usage, fast_send.body_writer(request.scope))
-            return Response(body, 200, _SSE_HEADERS)
+            return 200, _SSE_HEADERS, ChoicesSseBody(readers, encoders, checked.include_usage,
+                                                     fast_send.body_writer(scope))
         try:
-            return json_response(await collect_choices(readers, encoders))
+            return json_answer(await collect_choices(readers, encoders))
         except ApiError as error:
-            return error_response(error)
+            return error_answer(error)
         finally:
             for reader in readers:
                 self.frontend.close(reader.request)

@@ -34,6 +34,7 @@ from tidal.api import Api, create_app
 from tidal import connections, fast_send
 from tidal.config import ServerConfig
 from tidal.engine_client import EngineClient, EngineDead, channel_capacity
+from tidal.completion_route import completion_routes
 from tidal.frontend import Frontend, request_scope_middleware
 from tidal.metrics import Metrics
 from tidal.replicas import ReplicaSet, replica_config
@@ -94,7 +95,7 @@ class Server:
             register_state(app, state)
             if cfg.ui:
                 register_ui(app)
-            asgi = request_scope_middleware(app, lambda: frontend)
+            asgi = request_scope_middleware(completion_routes(app, api, cfg.api_key), lambda: frontend)
             fast_send.install()
             connections.install()
             hconfig = hypercorn.config.Config()

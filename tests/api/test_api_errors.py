@@ -16,7 +16,7 @@ import openai
 import pytest
 import trio
 
-from .support import API_KEY, AUTH, HELLO, MAX_BODY_BYTES, SERVED_MODEL, assert_openai_error
+from .support import API_KEY, AUTH, HELLO, MAX_BODY_BYTES, SERVED_MODEL, assert_openai_error, sse_chunks
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -234,3 +234,36 @@ def test_413_closes_the_connection_rather_than_leaving_it_silent(api_server):
             received += chunk
     assert received.startswith(b"HTTP/1.1 413"), received
     assert received.endswith(b'"code":413}}'), received
+
+
+def _same_answer_shape(answer: httpx.Response) -> tuple:
+    """What must not depend on which handler served the request (ids and times aside)."""
+    headers = {k: v for k, v in answer.headers.items() if k not in ("date", "content-length")}
+    if headers.get("content-type") == "text/event-stream":
+        body = sse_chunks(answer.content)
+        body = [{k: v for k, v in chunk.items() if k not in ("id", "created")} for chunk in body]
+        choices = [chunk["choices"][0] for chunk in body if chunk["choices"]]
+        assert choices[0]["delta"]["role"] == "assistant"
+        text = "".join(choice["delta"].get("content") or "" for choice in choices)
+        return answer.status_code, headers, text, choices[-1]["finish_reason"], body[-1]["usage"]
+    body = {k: v for k, v in answer.json().items() if k not in ("id", "created")}
+    return answer.status_code, headers, body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chunked_body_is_answered_like_one_with_a_content_length(http, stream):
+    """A body with a Content-Length is served by ``tidal.completion_route``, a chunked one by
+    quart's route: same status, headers and answer (greedy, so the text is the same too)."""
+    body = chat_body(max_tokens=5, temperature=0, stream=stream, stream_options={"include_usage": True}
+                     if stream else None)
+    raw = json.dumps({k: v for k, v in body.items() if v is not None}).encode()
+    headers = {**AUTH, "Content-Type": "application/json"}
+    with_length = http.post(CHAT, content=raw, headers=headers)
+    chunked = http.post(CHAT, content=iter([raw[:10], raw[10:]]), headers=headers)
+    assert with_length.status_code == 200
+    assert _same_answer_shape(with_length) == _same_answer_shape(chunked)
+    # and an error: the same OpenAI error either way
+    bad = json.dumps(chat_body(max_tokens=-1)).encode()
+    errors = [assert_openai_error(http.post(CHAT, content=content, headers=headers), 400, "max_tokens")
+              for content in (bad, iter([bad]))]
+    assert errors[0] == errors[1]
