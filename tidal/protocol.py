@@ -547,6 +547,16 @@ class ChunkEncoder:
             self._first = self._next = self._head + b',"choices":[{"index":%d,"text":' % index
             self._mid = b',"logprobs":'
         self._sent_first = False
+        # the SSE frame of a chunk with content only, around the JSON text (``content_frame``)
+        self._first_frame, self._next_frame = b"data: " + self._first, b"data: " + self._next
+        self._content_tail = self._mid + b'null,"finish_reason":null}]}\n\n'
+
+    def content_frame(self, text: str) -> bytes:
+        """``sse(chunk_json(text, None))`` in one step: a non-final chunk without logprobs or tool
+        calls, as the engine reader task sends one per token for a caught-up stream."""
+        prefix = self._next_frame if self._sent_first else self._first_frame
+        self._sent_first = True
+        return prefix + _json_encode(text) + self._content_tail
 
     def chunk_json(self, text: str, finish_reason: str | None, logprobs: Any = None,
                    tool_calls: list[dict[str, Any]] | None = None) -> bytes:

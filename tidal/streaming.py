@@ -176,7 +176,7 @@ class SseBody:
         text = output.text
         if text:  # no text (held back by the stop-string check): nothing to say yet
             try:
-                frame = sse(self.encoder.chunk_json(text, None))
+                frame = self.encoder.content_frame(text)
             except Exception:  # whatever it is, it belongs to this request's task, not the reader's
                 return False
             tail = self.writer.send_now(frame)  # type: ignore[union-attr]

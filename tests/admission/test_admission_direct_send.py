@@ -24,7 +24,7 @@ from tidal.engine_client import EngineClient
 from tidal.fast_send import BodyWriter
 from tidal.frontend import Frontend
 from tidal.metrics import Metrics
-from tidal.protocol import ChunkEncoder
+from tidal.protocol import ChunkEncoder, sse
 from tidal.streaming import OutputReader, SseBody
 from tidal.wire import EngineConfig, EngineStats, RequestOutput, SamplingParams, StepReport
 
@@ -144,3 +144,13 @@ async def test_a_frame_the_socket_takes_only_in_part_is_finished_before_the_next
     sent = texts(read_chunks(bytes(received)))
     assert sent[:3] == ["first", big, " after"] and "".join(sent) == "first" + big + " after"
     assert body.reader.finish_reason == "stop" and body.reader.usage()["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_the_direct_frame_is_the_bytes_of_the_ordinary_one(kind):
+    """``_offer`` builds its frames with ``content_frame``; the task path with ``chunk_json``."""
+    texts = ["Hello", " wor\"ld\\", "\n\t", "é — 漢字 🙂", "\u0000\u001f", "</script>"]
+    direct = ChunkEncoder(kind, "m")
+    ordinary = ChunkEncoder(kind, "m", 0, same_response_as=direct)  # same id and time
+    for text in texts:
+        assert direct.content_frame(text) == sse(ordinary.chunk_json(text, None))
