@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_models import make_hf_model
-from tidal.gpu import precision
+from tidal.gpu import layers, precision
 from tidal.gpu.engine import Engine
 from tidal.gpu.layers import Linear, avx2_linear_ops
 from tidal.gpu.model_loader import checkpoint_weight_dtype
@@ -63,8 +63,11 @@ def engine(model_dir: str, dtype: str) -> Engine:
 
 
 def test_checkpoint_dtype_is_read_from_the_safetensors_headers(float32_dir, bf16_dir):
+    from tidal.gpu import tiny_model
+
     assert checkpoint_weight_dtype(bf16_dir) == torch.bfloat16
     assert checkpoint_weight_dtype(float32_dir) == torch.float32
+    assert checkpoint_weight_dtype(tiny_model.asset_dir()) == torch.float32  # tidal-tiny's generated weights
 
 
 def test_auto_without_native_bf16_keeps_a_bf16_checkpoints_linear_weights_in_bf16(monkeypatch, bf16_dir, float32_dir):
@@ -76,6 +79,17 @@ def test_auto_without_native_bf16_keeps_a_bf16_checkpoints_linear_weights_in_bf1
     # a float32 checkpoint stays float32, and so does an explicit --dtype float32
     assert resolve_precision("auto", CPU, torch.float32).linear_weights == torch.float32
     assert resolve_precision("float32", CPU, torch.bfloat16).linear_weights == torch.float32
+    # the user's TIDAL_CPU_GEMV: avx2 forces the path, even for --dtype float32 or a float32 checkpoint; 0 turns it off
+    monkeypatch.setenv("TIDAL_CPU_GEMV", "avx2")
+    for name, checkpoint in (("float32", torch.bfloat16), ("auto", torch.float32)):
+        forced = resolve_precision(name, CPU, checkpoint)
+        assert (forced.dtype, forced.linear_weights) == (torch.float32, torch.bfloat16), name
+        assert "TIDAL_CPU_GEMV=avx2" in forced.reason
+    assert "rounded to bf16" in resolve_precision("auto", CPU, torch.float32).reason
+    monkeypatch.setattr(layers, "USE_GEMV", False)
+    monkeypatch.delenv("TIDAL_CPU_GEMV")
+    assert resolve_precision("auto", CPU, torch.bfloat16).linear_weights == torch.float32
+    monkeypatch.setattr(layers, "USE_GEMV", True)
     # with native bf16 nothing changes: bf16 throughout
     monkeypatch.setattr(precision, "cpu_native_bf16", lambda: "avx512_bf16")
     assert resolve_precision("auto", CPU, torch.bfloat16).linear_weights == torch.bfloat16
