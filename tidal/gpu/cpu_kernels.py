@@ -131,7 +131,8 @@ def _reason(message: str) -> str:
 
 
 def _compile_flags() -> tuple[str, list[str]]:
-    """(ISA tag, flags): AVX2+FMA when this CPU has them, else the compiler's portable default; on Linux
+    """(ISA tag, flags): the widest of AVX512 with BF16, AVX512, AVX2+FMA this CPU has, else the compiler's
+    portable default; on Linux
     with OpenMP, whose pragma ``at::parallel_for`` needs (without ``-fopenmp`` every kernel's
     ``at::parallel_for`` ran on one thread: its header falls back to a plain call)."""
     try:
@@ -139,6 +140,12 @@ def _compile_flags() -> tuple[str, list[str]]:
     except OSError:
         cpu_flags = set()
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else []
+    avx512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+    if {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= cpu_flags:
+        # vec8.h rounds to bf16 with one instruction here instead of eight
+        return "avx512bf16", ["-O3", "-mavx2", "-mfma", *avx512, "-mavx512bf16", *openmp]
+    if {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags:
+        return "avx512", ["-O3", "-mavx2", "-mfma", *avx512, *openmp]
     if {"avx2", "fma"} <= cpu_flags:
         return "avx2", ["-O3", "-mavx2", "-mfma", *openmp]
     return "generic", ["-O3", *openmp]
