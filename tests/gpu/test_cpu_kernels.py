@@ -181,3 +181,31 @@ def test_a_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path, caplo
         assert cpu_kernels.load_decode_kernel() is None  # not retried
     warnings = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "does not compile" in warnings[0], warnings  # says why
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_decodes_and_prefill_chunks(kernel, dtype):
+    # Two decodes, a prefill chunk after 32 cached rows and a whole-prompt prefill, through the layer's
+    # forward: on the AVX512-BF16 path every row goes through the kernel (a prefill row is one query over
+    # its causal prefix), elsewhere prefills take SDPA. Both must give causal attention row by row.
+    block_size, lens, query_lens = 16, [20, 33, 40, 13], [1, 1, 8, 13]
+    _, k_cache, v_cache, tables, _, dense = make_case(lens, 8, 2, 64, block_size, dtype, seed=11,
+                                                      garbage=float("nan"))
+    rows = [(s, pos) for s, (n, q) in enumerate(zip(lens, query_lens)) for pos in range(n - q, n)]
+    query = torch.randn(len(rows), 8, 64, generator=torch.Generator().manual_seed(12)).to(dtype)
+    key = torch.stack([dense[s][0][pos] for s, pos in rows])
+    value = torch.stack([dense[s][1][pos] for s, pos in rows])
+    slots = torch.tensor([int(tables[s, pos // block_size]) * block_size + pos % block_size for s, pos in rows])
+    batch = ForwardBatch(
+        input_ids=torch.zeros(len(rows), dtype=torch.int64), positions=torch.tensor([pos for _, pos in rows]),
+        slot_mapping=slots, num_decodes=2, decode_block_tables=tables[:2], decode_seq_lens=torch.tensor(
+            lens[:2], dtype=torch.int32), decode_max_seq_len=33, prefill_query_lens=query_lens[2:],
+        prefill_seq_lens=lens[2:], prefill_query_start_loc=torch.tensor([0, 8, 21], dtype=torch.int32),
+        prefill_seq_lens_tensor=torch.tensor(lens[2:], dtype=torch.int32), prefill_block_tables=tables[2:],
+        logits_indices=torch.zeros(0, dtype=torch.int64))
+    out = TorchPagedAttention().forward(query, key, value, k_cache, v_cache, batch, 0.125)
+    expected = torch.cat([
+        dense_reference(query[i:i + 1], [(dense[s][0][:pos + 1], dense[s][1][:pos + 1])], 0.125)
+        for i, (s, pos) in enumerate(rows)])
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)

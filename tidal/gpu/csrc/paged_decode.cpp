@@ -272,8 +272,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
 
 }  // namespace
 
+static bool paged_decode_bf16_runs(int64_t head_dim) { return tidal_cpu::paged_decode_bf16_supported(head_dim); }
+
 TORCH_LIBRARY(tidal_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor",
         &paged_decode_attention);
+  // whether a bf16 cache with this head dim runs paged_decode_bf16.cpp (AVX512-BF16) here
+  m.def("paged_decode_bf16_runs(int head_dim) -> bool", &paged_decode_bf16_runs);
 }
