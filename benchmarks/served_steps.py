@@ -49,7 +49,7 @@ def start_server(tree: str, port: int, args) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tidal", "serve", "--model", "tidal-test", "--port", str(port),
          "--min-step-time", str(args.step_ms / 1000), "--max-num-seqs", str(max(args.batch, 8)),
-         "--stream-interval", str(args.stream_interval)],
+         "--stream-interval", str(args.stream_interval), "--kv-cache-memory", str(args.kv_cache_gib)],
         cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -79,7 +79,10 @@ async def measure(port: int, engine: psutil.Process, args) -> tuple[float, float
             pass
 
     tasks = [asyncio.create_task(stream()) for _ in range(args.batch)]
+    ramp_deadline = time.monotonic() + 60
     while metric(port, "tidal:num_requests_running") < args.batch:
+        if time.monotonic() > ramp_deadline:  # e.g. a KV cache too small for B long requests
+            raise RuntimeError(f"fewer than {args.batch} requests running after 60 s")
         await asyncio.sleep(0.1)
     await asyncio.sleep(0.5)  # past the prefills
     steps0, cpu0, t0 = metric(port, "tidal:engine_steps"), engine.cpu_times(), time.perf_counter()
@@ -102,6 +105,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--window", type=float, default=4.0, help="seconds of steady decoding measured")
     ap.add_argument("--stream-interval", type=int, default=1)
+    ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="room for B requests of ~(WINDOW + 6) / STEP tokens")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy, as engine_overhead.py; 1: the API's default (the CPU sampler's draw)")
     args = ap.parse_args()
