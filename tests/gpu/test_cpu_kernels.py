@@ -111,24 +111,43 @@ def test_strided_query_and_partial_table(kernel):
     torch.testing.assert_close(out.double(), dense_reference(query, dense, 0.125), rtol=1e-5, atol=1e-5)
 
 
-def test_bfloat16_cache(kernel):
-    query, k_cache, v_cache, tables, lens, dense = make_case([1, 31, 64, 130], 8, 2, 128, 32, torch.bfloat16)
-    out = kernel(query, k_cache, v_cache, tables, lens, 128**-0.5)
+# bf16 caches run csrc/paged_decode_bf16.cpp where the CPU has AVX512-BF16 and the head dim is a multiple
+# of 32 (64, 96, 128 here), the generic kernel elsewhere (80; every head dim on other CPUs): both must hold.
+@pytest.mark.parametrize("block_size", [16, 7])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_bfloat16_cache(kernel, group, head_dim, block_size):
+    seq_lens = [1, 2, block_size, block_size + 1, 31, 64, 130]
+    query, k_cache, v_cache, tables, lens, dense = make_case(seq_lens, 2 * group, 2, head_dim, block_size,
+                                                             torch.bfloat16, seed=group + head_dim)
+    out = kernel(query, k_cache, v_cache, tables, lens, head_dim**-0.5)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), dense_reference(query, dense, 128**-0.5), rtol=1e-2, atol=1e-2)
+    # the output is rounded to bf16 (relative 2^-9) and so are the softmax weights on the AVX512-BF16 path
+    torch.testing.assert_close(out.double(), dense_reference(query, dense, head_dim**-0.5), rtol=1e-2, atol=1e-2)
 
 
-def test_result_does_not_depend_on_thread_count(kernel):
-    case = make_case([3, 17, 64, 100, 250, 1] * 4, 4, 2, 64, 16, seed=7)
+def test_bfloat16_never_reads_slots_outside_the_sequence(kernel):
+    # odd lengths leave a lone last row, which the bf16 path pairs with zeros, never with the slot after it
+    query, k_cache, v_cache, tables, lens, dense = make_case([5, 16, 41, 3], 8, 2, 64, 16, torch.bfloat16,
+                                                             garbage=float("nan"))
+    out = kernel(query, k_cache, v_cache, tables, lens, 0.125)
+    torch.testing.assert_close(out.double(), dense_reference(query, dense, 0.125), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_result_does_not_depend_on_thread_count(kernel, dtype):
+    # with fewer sequences than threads the bf16 path splits a sequence's kv heads over tasks: same sums
+    case = make_case([3, 17, 64, 100, 250, 1] * 4, 4, 2, 64, 16, dtype, seed=7)
+    single_seq = make_case([300], 8, 4, 64, 16, dtype, seed=8)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = kernel(*case[:5], 0.125)
+        single = kernel(*case[:5], 0.125), kernel(*single_seq[:5], 0.125)
         torch.set_num_threads(max(2, os.cpu_count() or 2))
-        multi = kernel(*case[:5], 0.125)
+        multi = kernel(*case[:5], 0.125), kernel(*single_seq[:5], 0.125)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(single, multi)
+    assert torch.equal(single[0], multi[0]) and torch.equal(single[1], multi[1])
 
 
 def test_rejects_block_ids_outside_the_cache(kernel):
@@ -162,3 +181,31 @@ def test_a_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path, caplo
         assert cpu_kernels.load_decode_kernel() is None  # not retried
     warnings = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "does not compile" in warnings[0], warnings  # says why
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_decodes_and_prefill_chunks(kernel, dtype):
+    # Two decodes, a prefill chunk after 32 cached rows and a whole-prompt prefill, through the layer's
+    # forward: on the AVX512-BF16 path every row goes through the kernel (a prefill row is one query over
+    # its causal prefix), elsewhere prefills take SDPA. Both must give causal attention row by row.
+    block_size, lens, query_lens = 16, [20, 33, 40, 13], [1, 1, 8, 13]
+    _, k_cache, v_cache, tables, _, dense = make_case(lens, 8, 2, 64, block_size, dtype, seed=11,
+                                                      garbage=float("nan"))
+    rows = [(s, pos) for s, (n, q) in enumerate(zip(lens, query_lens)) for pos in range(n - q, n)]
+    query = torch.randn(len(rows), 8, 64, generator=torch.Generator().manual_seed(12)).to(dtype)
+    key = torch.stack([dense[s][0][pos] for s, pos in rows])
+    value = torch.stack([dense[s][1][pos] for s, pos in rows])
+    slots = torch.tensor([int(tables[s, pos // block_size]) * block_size + pos % block_size for s, pos in rows])
+    batch = ForwardBatch(
+        input_ids=torch.zeros(len(rows), dtype=torch.int64), positions=torch.tensor([pos for _, pos in rows]),
+        slot_mapping=slots, num_decodes=2, decode_block_tables=tables[:2], decode_seq_lens=torch.tensor(
+            lens[:2], dtype=torch.int32), decode_max_seq_len=33, prefill_query_lens=query_lens[2:],
+        prefill_seq_lens=lens[2:], prefill_query_start_loc=torch.tensor([0, 8, 21], dtype=torch.int32),
+        prefill_seq_lens_tensor=torch.tensor(lens[2:], dtype=torch.int32), prefill_block_tables=tables[2:],
+        logits_indices=torch.zeros(0, dtype=torch.int64))
+    out = TorchPagedAttention().forward(query, key, value, k_cache, v_cache, batch, 0.125)
+    expected = torch.cat([
+        dense_reference(query[i:i + 1], [(dense[s][0][:pos + 1], dense[s][1][:pos + 1])], 0.125)
+        for i, (s, pos) in enumerate(rows)])
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)

@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from tidal.gpu import sampler
+from tidal.gpu import sampler as sampler_module
 from tidal.gpu.sampler import ARGMAX_BLOCK, Sampler, apply_penalties, make_generator, row_argmax
 from tidal.wire import SamplingParams
 
@@ -75,7 +75,7 @@ def test_row_argmax_is_torchs_argmax(rows, vocab, seed, alphabet, largest):
     table = torch.tensor(values)
     x = table[torch.randint(len(values), (rows, vocab), generator=generator)]
     expected = x.argmax(dim=-1) if largest else x.argmin(dim=-1)
-    with mock.patch.object(sampler, "BLOCKED_ARGMAX_MIN_ELEMENTS", 0):  # small inputs take the blocked path too
+    with mock.patch.object(sampler_module, "BLOCKED_ARGMAX_MIN_ELEMENTS", 0):  # small inputs take the blocked path too
         assert torch.equal(row_argmax(x, largest=largest), expected)
 
 
@@ -177,15 +177,64 @@ def test_min_p_drops_tokens_below_the_fraction_of_the_top_probability():
     assert set(draws(row, params())) == {0, 1, 2, 3}
 
 
-@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_draw_frequencies_follow_the_tempered_softmax(temperature):
+@pytest.fixture(params=["cpu kernel", "exponential race"])
+def draw_path(request, monkeypatch):
+    """Both ways a draw is made: the C++ inverse CDF (CPU float32 rows) and torch's exponential race
+    (CUDA, or the kernels off)."""
+    if request.param == "cpu kernel":
+        if sampler_module._cpu_draw(torch.zeros(1, 4)) is None:
+            pytest.skip("the C++ kernels could not be built here")
+    else:
+        monkeypatch.setattr(sampler_module, "_cpu_draw", lambda logits: None)
+    return request.param
+
+
+@pytest.mark.parametrize("p", [params(temperature=0.5), params(), params(temperature=2.0),
+                               params(top_p=0.999), params(top_k=5, temperature=1.5)])
+def test_draw_frequencies_follow_the_tempered_softmax(p, draw_path):
     row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n = 20000
-    counts = draws(row, params(temperature=temperature), n)
-    expected = (row / temperature).softmax(dim=-1) * n
-    chi2 = sum((counts[i] - e) ** 2 / e for i, e in enumerate(expected.tolist()))
-    # 5 degrees of freedom: p = 0.001 at chi2 = 20.5
+    counts = draws(row, p, n)
+    kept = row.clone()
+    if p.top_k is not None:
+        kept[p.top_k:] = float("-inf")  # the row is sorted: top-k keeps its first k
+    expected = (kept / p.temperature).softmax(dim=-1) * n
+    assert all(counts[i] == 0 for i, e in enumerate(expected.tolist()) if e == 0)
+    chi2 = sum((counts[i] - e) ** 2 / e for i, e in enumerate(expected.tolist()) if e > 0)
+    # at most 5 degrees of freedom: p = 0.001 at chi2 = 20.5
     assert chi2 < 20.5
+
+
+def test_masked_tokens_are_never_drawn(draw_path):
+    # a grammar mask sets logits to -inf: those tokens must have probability 0, not exp(-87)
+    row = torch.full((4096,), float("-inf"))
+    allowed = [3, 1000, 4095]
+    row[allowed] = torch.tensor([-50.0, -40.0, -45.0])
+    assert set(draws(row, params(temperature=2.0), 3000)) <= set(allowed)
+    assert set(draws(row, params(temperature=1e-3), 200)) == {1000}
+
+
+def test_inverse_cdf_draw_edges():
+    ops = sampler_module._cpu_draw(torch.zeros(1, 4))
+    if ops is None:
+        pytest.skip("the C++ kernels could not be built here")
+    weights = torch.tensor([[0.0, 0.0, 1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]]).repeat(4, 1)
+    uniforms = torch.tensor([0.0, 0.2499, 0.2501, 1.0 - 2**-53], dtype=torch.float64)
+    # cumulative weights 1 at index 2, 3 at index 4, 4 at index 9 (total 4): zero weights are skipped
+    assert ops(weights.clone(), None, uniforms).tolist() == [2, 2, 4, 9]
+    # logits: exp((x - max) / T); the row's token does not depend on the batch or the thread count
+    logits = torch.randn(300, 8192, generator=torch.Generator().manual_seed(0)) * 4
+    inv_t, u = torch.full((300,), 0.8), torch.rand(300, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = ops(logits.clone(), inv_t, u)
+        torch.set_num_threads(2)
+        multi = ops(logits.clone(), inv_t, u)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, multi)
+    assert torch.equal(ops(logits[7:8].clone(), inv_t[7:8], u[7:8]), single[7:8])
 
 
 # ------------------------------------------------------------------ seeds

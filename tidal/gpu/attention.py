@@ -8,7 +8,10 @@ Every call first writes the batch's new K/V rows into the paged cache, then atte
   sequence's length are masked out;
 * prefill chunks one by one (there are few per step): causal attention whose diagonal is
   shifted by the context already cached (``seq_len - q_len``); a chunk that is the whole
-  sequence uses its fresh K/V directly instead of reading them back from the cache.
+  sequence uses its fresh K/V directly instead of reading them back from the cache. Where the
+  C++ kernel has its AVX512-BF16 path (a bf16 cache on a CPU with the instructions), prefill
+  rows go through it too, with the decodes in one call: row i of a chunk is one query whose
+  sequence ends at its own position, 2-3x faster than SDPA's CPU flash attention in bf16.
 
 All attention goes through ``scaled_dot_product_attention`` with ``enable_gqa=True`` so K/V
 heads are never repeated in memory.
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tidal.gpu.cpu_kernels import load_decode_kernel
+from tidal.gpu.cpu_kernels import load_cpu_ops, load_decode_kernel
 from tidal.gpu.forward_batch import ForwardBatch
 
 
@@ -51,6 +54,9 @@ class TorchPagedAttention:
         self._buffers: dict[str, torch.Tensor] = {}
         # built (or loaded from cache) here, at model load, never in the hot path; None: gather + SDPA
         self._cpu_decode = load_decode_kernel() if torch.device(device).type == "cpu" else None
+        self._rows_on_kernel: dict[int, bool] = {}  # head dim -> whether prefill rows go through the kernel
+        self._rows_batch: ForwardBatch | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # that batch's row tables and lengths
 
     def forward(
         self,
@@ -69,6 +75,9 @@ class TorchPagedAttention:
             if num_decodes == 0:
                 return torch.empty_like(query)
             return self._decode(query, k_cache, v_cache, batch, scale)
+        if self._prefill_on_kernel(query, k_cache):
+            tables, lens = self._row_plan(batch)
+            return self._cpu_decode(query, k_cache, v_cache, tables, lens, scale)
         out = torch.empty_like(query)
         if num_decodes:
             out[:num_decodes] = self._decode(query[:num_decodes], k_cache, v_cache, batch, scale)
@@ -144,6 +153,39 @@ class TorchPagedAttention:
         return out
 
     # ------------------------------------------------------------------ prefill
+
+    def _prefill_on_kernel(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether the decode kernel takes the prefill rows too: a bf16 cache on its AVX512-BF16 path."""
+        if self._cpu_decode is None or query.device.type != "cpu" or not (
+                query.dtype == k_cache.dtype == torch.bfloat16):
+            return False
+        head_dim = query.shape[-1]
+        if head_dim not in self._rows_on_kernel:
+            self._rows_on_kernel[head_dim] = bool(load_cpu_ops().paged_decode_bf16_runs(head_dim))
+        return self._rows_on_kernel[head_dim]
+
+    def _row_plan(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row as one query for the kernel: (block tables [T, width] int32, lengths [T] int32).
+
+        A decode keeps its table and length; row i of a prefill chunk of ``q_len`` rows in a sequence of
+        ``seq_len`` takes the chunk's table and length ``seq_len - q_len + i + 1``: its causal prefix.
+        Built once per batch and reused by every layer.
+        """
+        if self._rows_batch is batch and self._rows is not None:
+            return self._rows
+        num_decodes = batch.num_decodes
+        decode_tables, prefill_tables = batch.decode_block_tables[:num_decodes], batch.prefill_block_tables
+        width = max(decode_tables.shape[1] if num_decodes else 0, prefill_tables.shape[1])
+        tables, lens = [], []
+        if num_decodes:
+            tables.append(F.pad(decode_tables, (0, width - decode_tables.shape[1])))
+            lens.append(batch.decode_seq_lens[:num_decodes])
+        for p, (q_len, seq_len) in enumerate(zip(batch.prefill_query_lens, batch.prefill_seq_lens)):
+            tables.append(F.pad(prefill_tables[p], (0, width - prefill_tables.shape[1])).expand(q_len, width))
+            lens.append(torch.arange(seq_len - q_len + 1, seq_len + 1, dtype=torch.int32))
+        self._rows_batch = batch
+        self._rows = (torch.cat(tables).to(torch.int32).contiguous(), torch.cat(lens).to(torch.int32))
+        return self._rows
 
     def _prefill_with_context(
         self,

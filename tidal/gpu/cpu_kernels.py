@@ -1,13 +1,19 @@
 """C++ CPU kernels, compiled on first use with ``torch.utils.cpp_extension`` and cached.
 
-Two sources, one library (ops under ``torch.ops.tidal_cpu``):
+One library (ops under ``torch.ops.tidal_cpu``) from these sources:
 
 * ``csrc/paged_decode.cpp``: paged decode attention: one query token per sequence, reading K/V
   straight from the paged cache through the block table. On a CPU it replaces a gather of every
   block into a padded buffer plus a batch of tiny GEMMs, which cost several times the arithmetic.
+  A bf16 cache on a CPU with AVX512-BF16 runs ``csrc/paged_decode_bf16.cpp`` (both products on
+  ``vdpbf16ps``).
 * ``csrc/layer_ops.cpp``: the per-layer elementwise work (RMSNorm with the residual add, rotary,
   SiLU-and-mul), one op each instead of three to eight torch ops. At decode the tensors are a few
   KB, so every torch op costs its dispatch and thread start-up, not its arithmetic.
+* ``csrc/sampling.cpp``: one categorical draw per row by the inverse CDF (tidal/gpu/sampler.py),
+  one uniform per row where torch's exponential race draws one per vocabulary entry.
+* ``csrc/linear_bf16.cpp``: the bf16 linear for CPUs with AVX512-BF16 (tidal/gpu/layers.py), which
+  streams a prepacked weight at close to the read bandwidth at decode.
 
 The build takes tens of seconds the first time and is cached in torch's extensions directory
 (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), so later processes only
@@ -31,8 +37,9 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "layer_ops.cpp", _CSRC / "linear_bf16.cpp"]
-_HEADERS = [_CSRC / "vec8.h"]
+_SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "paged_decode_bf16.cpp", _CSRC / "layer_ops.cpp",
+            _CSRC / "linear_bf16.cpp", _CSRC / "sampling.cpp"]
+_HEADERS = [_CSRC / "vec8.h", _CSRC / "paged_decode_bf16.h"]
 _lock = threading.Lock()
 _loaded = False  # whether a load was attempted (its result, possibly None, is in _ops)
 _ops = None  # torch.ops.tidal_cpu once loaded

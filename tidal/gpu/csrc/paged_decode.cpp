@@ -5,7 +5,7 @@
 // its kv head, so every K/V row is read from memory once and used G times. Softmax is two-pass
 // over a per-thread score buffer: scores, then max / exp / sum, then the weighted sum of V rows.
 // Inner loops work on 8-float vectors (GCC vector extensions, so any x86 or ARM target builds it);
-// no intrinsics.
+// no intrinsics. A bf16 cache on a CPU with AVX512-BF16 goes to paged_decode_bf16.cpp instead.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -19,6 +19,7 @@
 #include <cstring>
 #include <vector>
 
+#include "paged_decode_bf16.h"
 #include "vec8.h"
 
 namespace {
@@ -256,6 +257,11 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
   if (num_seqs == 0) return out;
   if (query.scalar_type() == at::kFloat) {
     decode_all<float>(query, k_cache, v_cache, block_tables, lengths, static_cast<float>(scale), out);
+  } else if (query.scalar_type() == at::kBFloat16 && paged_decode_bf16_supported(query.size(2))) {
+    paged_decode_bf16(query.data_ptr<c10::BFloat16>(), query.stride(0), query.stride(1), k_cache.data_ptr<c10::BFloat16>(),
+                      v_cache.data_ptr<c10::BFloat16>(), block_tables.data_ptr<int32_t>(), block_tables.stride(0), lengths,
+                      query.size(1), k_cache.size(2), query.size(2), k_cache.size(1), static_cast<float>(scale),
+                      out.data_ptr<c10::BFloat16>());
   } else if (query.scalar_type() == at::kBFloat16) {
     decode_all<c10::BFloat16>(query, k_cache, v_cache, block_tables, lengths, static_cast<float>(scale), out);
   } else {
@@ -266,8 +272,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
 
 }  // namespace
 
+static bool paged_decode_bf16_runs(int64_t head_dim) { return tidal_cpu::paged_decode_bf16_supported(head_dim); }
+
 TORCH_LIBRARY(tidal_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor",
         &paged_decode_attention);
+  // whether a bf16 cache with this head dim runs paged_decode_bf16.cpp (AVX512-BF16) here
+  m.def("paged_decode_bf16_runs(int head_dim) -> bool", &paged_decode_bf16_runs);
 }
