@@ -85,6 +85,11 @@ async def measure(port: int, engine: psutil.Process, args) -> tuple[float, float
             raise RuntimeError(f"fewer than {args.batch} requests running after 60 s")
         await asyncio.sleep(0.1)
     await asyncio.sleep(0.5)  # past the prefills
+    first = metric(port, "tidal:engine_steps")
+    while metric(port, "tidal:engine_steps") < first + 50:  # a first use may build a kernel first
+        if time.monotonic() > ramp_deadline + 120:
+            raise RuntimeError("the engine made no steps in 120 s")
+        await asyncio.sleep(0.2)
     steps0, cpu0, t0 = metric(port, "tidal:engine_steps"), engine.cpu_times(), time.perf_counter()
     await asyncio.sleep(args.window)
     steps1, cpu1, t1 = metric(port, "tidal:engine_steps"), engine.cpu_times(), time.perf_counter()
