@@ -40,7 +40,7 @@ def free_port() -> int:
 
 def metric(port: int, name: str) -> float:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", body, re.M)
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", body, re.MULTILINE)
     return float(match.group(1)) if match else float("nan")
 
 

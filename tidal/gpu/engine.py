@@ -82,7 +82,8 @@ class Engine:
         # Where forward passes run (at most one is in flight). On CUDA kernel launches return at
         # once: the step loop launches the pass itself and waits on the device only when it wants
         # the tokens, so emitting the last step overlaps the pass with no thread and no GIL hand-off.
-        # tidal-test's pass is a sleep, which needs a thread to overlap. On a CPU the pass is host
+        # tidal-test's pass is a clock: a thread computes it beside the step loop, which then sleeps
+        # until the pass's end (``ThreadPass``). On a CPU the pass is host
         # work on every core: a thread there only adds two thread hand-offs per step and a GIL
         # tug-of-war with the step loop, so the pass runs on the step loop's thread when its result
         # is first wanted (docs/engine.md).
@@ -389,6 +390,8 @@ class ForwardThread:
 
 
 class ThreadPass(Generic[T]):
+    """A pass on the forward thread; ``result()`` sleeps until its end, then takes its tokens."""
+
     def __init__(self, future: Future[T], ends_at: float) -> None:
         self._future = future
         self._ends_at = ends_at
