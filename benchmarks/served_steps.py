@@ -69,7 +69,8 @@ def engine_process(server: subprocess.Popen) -> psutil.Process:
 
 async def measure(port: int, engine: psutil.Process, args) -> tuple[float, float]:
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-    tokens = int((args.window + 6) / (args.step_ms / 1000))  # outlasts the ramp-up and the window
+    # outlasts the ramp-up and the window, also when the client falls behind the streams
+    tokens = min(4000, int((args.window + 20) / (args.step_ms / 1000)))  # tidal-test: 4096 tokens at most
 
     async def stream() -> None:
         chunks = await client.chat.completions.create(
@@ -110,7 +111,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--window", type=float, default=4.0, help="seconds of steady decoding measured")
     ap.add_argument("--stream-interval", type=int, default=1)
-    ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="room for B requests of ~(WINDOW + 6) / STEP tokens")
+    ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="room for B requests of ~(WINDOW + 20) / STEP tokens")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy, as engine_overhead.py; 1: the API's default (the CPU sampler's draw)")
     args = ap.parse_args()
