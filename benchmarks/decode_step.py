@@ -10,7 +10,9 @@ batch of B sequences with ``--context`` tokens already cached, and times ``model
 step reads over the host's read bandwidth, measured in the same run by summing a 1 GiB tensor.
 ``--linears`` compares bf16 linears side by side in one process, one model loaded per choice: ``onednn``
 (oneDNN on prepacked weights, the path before the kernel; ``TIDAL_CPU_GEMV=0``) and ``gemv`` (the
-AVX512-BF16 kernel of csrc/linear_bf16.cpp, the default where the CPU has it). ``--rounds`` repeats
+AVX512-BF16 kernel of csrc/linear_bf16.cpp, the default where the CPU has it); float32 ``MKL`` (plain
+float32 weights) and ``avx2`` (linear weights stored in bf16, csrc/linear_avx2.cpp: the default for a bf16
+checkpoint on a CPU without native bf16). ``--rounds`` repeats
 every row, interleaved, so a noisy host shows as spread, not as a difference.
 ``--profile`` prints torch.profiler's top operators for the last configuration.
 """
@@ -77,7 +79,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--linears", default="onednn,gemv", help="bf16 only: the linear kernels to compare")
+    ap.add_argument("--linears", default="onednn,gemv",
+                    help="the linear kernels to compare: bf16 onednn,gemv; float32 MKL,avx2 (bf16-stored weights)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -98,17 +101,19 @@ def main() -> None:
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
             models = {}  # linears -> model
-            for linears in args.linears.split(",") if dtype == torch.bfloat16 else ["MKL"]:
-                layers.USE_GEMV = linears == "gemv"
-                model, config = load_model(model_dir, dtype, torch.device("cpu"), TorchPagedAttention("cpu"))
+            # each dtype's own choices of --linears (one run can give MKL,avx2 and onednn,gemv side by side)
+            kinds = ("onednn", "gemv") if dtype == torch.bfloat16 else ("MKL", "avx2")
+            for linears in [name for name in args.linears.split(",") if name in kinds] or [kinds[0]]:
+                layers.USE_GEMV = linears in ("gemv", "avx2")
+                model, config = load_model(model_dir, dtype, torch.device("cpu"), TorchPagedAttention("cpu"),
+                                           linear_weights=torch.bfloat16 if linears == "avx2" else None)
                 if linears == "gemv" and not any(getattr(m, "gemv_packed", None) is not None for m in model.modules()):
                     print(f"({size}: no AVX512-BF16 kernel on this CPU, gemv row skipped)")
                     continue
                 models[linears] = model
             # weights a decode step reads: all but the embedding table (one row each), unless tied
-            weight_bytes = dtype.itemsize * sum(
-                t.numel() for n, t in iter_safetensors(model_dir)
-                if n != "model.embed_tokens.weight" or config.tie_word_embeddings)
+            weights = sum(t.numel() for n, t in iter_safetensors(model_dir)
+                          if n != "model.embed_tokens.weight" or config.tie_word_embeddings)
             for batch in (int(b) for b in args.batches.split(",")):
                 num_blocks = batch * (args.context // BLOCK_SIZE + 1)
                 shape = (num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
@@ -117,6 +122,7 @@ def main() -> None:
                 fb = decode_batch(batch, args.context, config.vocab_size)
                 for _ in range(args.rounds):
                     for linears, model in models.items():
+                        weight_bytes = weights * (2 if linears == "avx2" else dtype.itemsize)  # avx2: bf16 linears
                         def step(model=model, fb=fb, caches=caches) -> None:
                             hidden = model(fb, caches)
                             model.compute_logits(hidden[fb.logits_indices])

@@ -1,7 +1,10 @@
-"""The whole engine in-process with each bf16 linear path: oneDNN (prepacked) against the AVX512-BF16 kernel.
+"""The whole engine in-process with each bf16 linear path: oneDNN (prepacked) against the AVX512-BF16 kernel;
+or, with ``--paths MKL,avx2``, float32 on plain weights against float32 on bf16-stored weights (the AVX2
+kernel, engaged as a server would be by ``TIDAL_CPU_GEMV=avx2``, set while that engine is built).
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/engine_linears.py [--size small] [--batch 16]
                                                                 [--input-len 128] [--output-len 128] [--rounds 2]
+                                                                [--paths onednn,gemv]
 
 One engine per path in one process (``layers.USE_GEMV`` read as each model is packed), alternating
 rounds of ``batch`` random prompts decoded greedily to ``output-len`` tokens (the loop of
@@ -37,18 +40,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "tidal-bench-models"))
+    ap.add_argument("--paths", default="onednn,gemv", help="bf16: onednn, gemv; float32: MKL, avx2")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = make_model(args.size, os.path.join(args.model_dir, args.size))
     engines = {}
-    for name in ("onednn", "gemv"):
-        layers.USE_GEMV = name == "gemv"
-        engines[name] = Engine(EngineConfig(model=model_dir, dtype="bfloat16", max_num_seqs=args.batch,
+    for name in args.paths.split(","):
+        layers.USE_GEMV = name in ("gemv", "avx2")
+        os.environ["TIDAL_CPU_GEMV"] = "avx2" if name == "avx2" else "1"  # read as the engine resolves its dtype
+        engines[name] = Engine(EngineConfig(model=model_dir, dtype="float32" if name in ("MKL", "avx2") else "bfloat16",
+                                            max_num_seqs=args.batch,
                                             max_num_batched_tokens=max(2048, args.input_len * 8),
                                             kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False))
+        print(f"{name}: {engines[name].runner.dtype_reason}")
         run_tidal(engines[name], make_prompts(2, 16, seed=99), 8, 10_000_000)  # warm-up
     tokens = args.batch * args.output_len
-    print(f"{args.size}, batch {args.batch}, {args.input_len} in / {args.output_len} out, bf16, "
+    print(f"{args.size}, batch {args.batch}, {args.input_len} in / {args.output_len} out, "
           f"{args.threads} threads\n")
     print("| round | linears | wall s | tok/s | CPU ms per token | load average |")
     print("|---:|---|---:|---:|---:|---:|")

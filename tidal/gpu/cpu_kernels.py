@@ -14,6 +14,8 @@ One library (ops under ``torch.ops.tidal_cpu``) from these sources:
   one uniform per row where torch's exponential race draws one per vocabulary entry.
 * ``csrc/linear_bf16.cpp``: the bf16 linear for CPUs with AVX512-BF16 (tidal/gpu/layers.py), which
   streams a prepacked weight at close to the read bandwidth at decode.
+* ``csrc/linear_avx2.cpp``: the linear for float32 models whose linear weights are stored in bf16
+  (CPUs with AVX2+FMA and no native bf16; tidal/gpu/precision.py says when).
 
 The build takes tens of seconds the first time and is cached in torch's extensions directory
 (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), so later processes only
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "paged_decode_bf16.cpp", _CSRC / "layer_ops.cpp",
-            _CSRC / "linear_bf16.cpp", _CSRC / "sampling.cpp"]
+            _CSRC / "linear_bf16.cpp", _CSRC / "linear_avx2.cpp", _CSRC / "sampling.cpp"]
 _HEADERS = [_CSRC / "vec8.h", _CSRC / "paged_decode_bf16.h"]
 _lock = threading.Lock()
 _loaded = False  # whether a load was attempted (its result, possibly None, is in _ops)
@@ -131,7 +133,8 @@ def _reason(message: str) -> str:
 
 
 def _compile_flags() -> tuple[str, list[str]]:
-    """(ISA tag, flags): AVX2+FMA when this CPU has them, else the compiler's portable default; on Linux
+    """(ISA tag, flags): the widest of AVX512 with BF16, AVX512, AVX2+FMA this CPU has, else the compiler's
+    portable default; on Linux
     with OpenMP, whose pragma ``at::parallel_for`` needs (without ``-fopenmp`` every kernel's
     ``at::parallel_for`` ran on one thread: its header falls back to a plain call)."""
     try:
@@ -139,6 +142,12 @@ def _compile_flags() -> tuple[str, list[str]]:
     except OSError:
         cpu_flags = set()
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else []
+    avx512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+    if {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= cpu_flags:
+        # vec8.h rounds to bf16 with one instruction here instead of eight
+        return "avx512bf16", ["-O3", "-mavx2", "-mfma", *avx512, "-mavx512bf16", *openmp]
+    if {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags:
+        return "avx512", ["-O3", "-mavx2", "-mfma", *avx512, *openmp]
     if {"avx2", "fma"} <= cpu_flags:
         return "avx2", ["-O3", "-mavx2", "-mfma", *openmp]
     return "generic", ["-O3", *openmp]

@@ -19,12 +19,17 @@ def _empty_parameter(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.P
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def packs_weights(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether linear weights should be prepacked for oneDNN: bfloat16 on a CPU oneDNN runs in bf16.
+def packs_weights(dtype: torch.dtype, device: torch.device | str, linear_weights: torch.dtype | None = None) -> bool:
+    """Whether linear weights should be packed after loading: bfloat16 on a CPU oneDNN runs in bf16, or
+    a float32 model whose linear weights are stored in bf16 (``linear_weights``, see ``precision.py``).
 
-    float32 stays plain: MKL's GEMV on a plain weight is as fast as a packed one at batch 1.
+    float32 weights stay plain: MKL's GEMV on a plain weight is as fast as a packed one at batch 1.
     """
-    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    if torch.device(device).type != "cpu":
+        return False
+    if dtype == torch.float32:
+        return linear_weights == torch.bfloat16
+    return (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -42,8 +47,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# Whether bf16 linears may use the hand-written AVX512-BF16 kernel (csrc/linear_bf16.cpp); read when a
-# Linear is packed. TIDAL_CPU_GEMV=0 keeps oneDNN everywhere (benchmarks compare the two).
+# Whether linears may use the hand-written kernels (csrc/linear_bf16.cpp, csrc/linear_avx2.cpp); read when
+# a Linear is packed. TIDAL_CPU_GEMV=0 keeps oneDNN/MKL everywhere (benchmarks compare the two);
+# TIDAL_CPU_GEMV=avx2 forces the AVX2 path (float32 arithmetic on bf16-stored linear weights) on any CPU
+# with AVX2+FMA, whatever the checkpoint's dtype (tidal/gpu/precision.py reads it).
 USE_GEMV = os.environ.get("TIDAL_CPU_GEMV", "1") != "0"
 # On a CPU with AMX, rows up to which the kernel runs; above, oneDNN's AMX GEMM on its own packed copy
 # (AMX's tiles do several times the arithmetic of AVX512-BF16 per cycle, so they win prefill). Without
@@ -89,6 +96,30 @@ def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat(groups).view(blocks, pairs, 32)
 
 
+def avx2_linear_ops(device: torch.device | str):
+    """``torch.ops.tidal_cpu`` when its float32-on-bf16-weights linear can run here (a CPU with AVX2+FMA
+    and the kernels built, unless ``TIDAL_CPU_GEMV=0``), else None."""
+    if not USE_GEMV or torch.device(device).type != "cpu":
+        return None
+    ops = cpu_layer_ops(torch.float32, device)
+    return ops if ops is not None and ops.linear_avx2_supported() else None
+
+
+def pack_avx2_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] bf16 repacked for ``torch.ops.tidal_cpu.linear_avx2``: ``[ceil(N/32), K, 32]``.
+
+    A group of 32 output columns at one input k is one 64-byte line of two blocks of 16 columns; in a
+    block, 32-bit lane j holds column j (low half) and column 8 + j (high half), so the kernel widens a
+    block to two float32 vectors by a shift and a mask. A group is one sequential stream of K lines.
+    N is zero-padded to whole groups.
+    """
+    n, k = weight.shape
+    padded = F.pad(weight.detach(), (0, 0, 0, -n % 32))
+    groups = padded.shape[0] // 32
+    # column g*32 + b*16 + h*8 + j goes to line k of group g, at b*16 + 2*j + h
+    return padded.view(groups, 2, 2, 8, k).permute(0, 4, 1, 3, 2).contiguous().view(groups, k, 32)
+
+
 class Linear(nn.Module):
     """``y = x @ W.T + b`` with uninitialised parameters (filled by ``load_weights``).
 
@@ -96,7 +127,8 @@ class Linear(nn.Module):
     packing is the last step of loading. On a CPU with AVX512-BF16 a bf16 weight is packed for the
     hand-written kernel (``gemv_packed``), which runs every call; with AMX too, oneDNN keeps a second
     copy (``packed``) for the calls of more than ``AMX_GEMV_MAX_ROWS`` rows (prefill). Elsewhere
-    ``packed`` is oneDNN's copy alone.
+    ``packed`` is oneDNN's copy alone. A float32 weight packed with ``weight_dtype=torch.bfloat16`` is
+    stored in bf16 for the AVX2 kernel (``avx2_packed``; float32 activations, bias and output).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device) -> None:
@@ -108,17 +140,29 @@ class Linear(nn.Module):
         self.gemv_packed: torch.Tensor | None = None
         self._gemv = None  # torch.ops.tidal_cpu once gemv_packed is set
         self._gemv_rows: int | None = None  # with a oneDNN copy too, calls of up to this many rows run the kernel
+        self.avx2_packed: torch.Tensor | None = None  # float32 model, bf16-stored weight (pack_avx2_weight)
+        self._avx2 = None  # torch.ops.tidal_cpu once avx2_packed is set
 
     @classmethod
-    def packed_from(cls, weight: torch.Tensor) -> Linear:
+    def packed_from(cls, weight: torch.Tensor, weight_dtype: torch.dtype | None = None) -> Linear:
         """A packed, bias-free Linear over a copy of ``weight`` [out, in] (a tied LM head)."""
         linear = cls(weight.shape[1], weight.shape[0], False, weight.dtype, weight.device)
         with torch.no_grad():
             linear.weight.copy_(weight)
-        linear.pack()
+        linear.pack(weight_dtype)
         return linear
 
-    def pack(self) -> None:
+    def pack(self, weight_dtype: torch.dtype | None = None) -> None:
+        """Pack the weight for this CPU's fastest path. ``weight_dtype=torch.bfloat16`` on a float32 weight:
+        store it in bf16 for the AVX2 kernel (exact where the values are bf16, as from a bf16 checkpoint);
+        without the kernel the weight stays float32 (then a float32 weight is left plain)."""
+        if self.weight.dtype == torch.float32:
+            ops = avx2_linear_ops(self.weight.device) if weight_dtype == torch.bfloat16 else None
+            if ops is not None:
+                self.avx2_packed = pack_avx2_weight(self.weight.bfloat16())
+                self._avx2 = ops
+                self.weight = None
+            return
         ops = gemv_ops(self.weight.dtype, self.weight.device)
         if ops is not None:
             self.gemv_packed = pack_gemv_weight(self.weight)
@@ -129,6 +173,8 @@ class Linear(nn.Module):
         self.weight = None  # the plain copy would double the memory
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._avx2 is not None:
+            return self._avx2.linear_avx2(x, self.avx2_packed, self.out_features, self.bias)
         if self._gemv is not None and (self._gemv_rows is None or x.shape[0] <= self._gemv_rows):
             return self._gemv.linear_bf16(x, self.gemv_packed, self.out_features, self.bias)
         if self.packed is not None:

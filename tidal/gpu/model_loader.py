@@ -36,12 +36,14 @@ def resolve_model_dir(name: str) -> str:
 
 
 def load_model(
-    model_dir: str, dtype: torch.dtype, device: torch.device, attention, tp=None
+    model_dir: str, dtype: torch.dtype, device: torch.device, attention, tp=None,
+    linear_weights: torch.dtype | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model of ``model_dir`` on ``device`` in ``dtype`` and load its weights.
 
     With ``tp`` (tensor parallelism) the model is this rank's shard, and only its slices of the
-    checkpoint are read (``lazy`` safetensors slices).
+    checkpoint are read (``lazy`` safetensors slices). ``linear_weights=torch.bfloat16`` with a float32
+    ``dtype``: the linear weights are stored in bf16 once loaded (``precision.Precision``, the AVX2 path).
     """
     config = ModelConfig.from_dir(model_dir)
     model = model_class(config)(config, attention, dtype=dtype, device=device, tp=tp)
@@ -51,9 +53,34 @@ def load_model(
     else:
         model.load_weights(iter_safetensors(model_dir, lazy=tp is not None))
     model.eval()
-    if packs_weights(dtype, device):
-        model.pack_weights()
+    if packs_weights(dtype, device, linear_weights):
+        model.pack_weights(linear_weights if linear_weights != dtype else None)
     return model, config
+
+
+def checkpoint_weight_dtype(model_dir: str) -> torch.dtype | None:
+    """The dtype the checkpoint stores its matrices in (every tensor of two or more dimensions), read
+    from the safetensors headers only; None when they differ or there is no checkpoint. Generated
+    weights (tidal-tiny) are float32."""
+    config = ModelConfig.from_dir(model_dir)
+    if tiny_model.has_generated_weights(model_dir, config):
+        return torch.float32
+    from safetensors import safe_open
+
+    dtypes = set()
+    try:
+        for path in safetensors_files(model_dir):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    tensor = f.get_slice(name)
+                    if len(tensor.get_shape()) >= 2:
+                        dtypes.add(tensor.get_dtype())
+    except FileNotFoundError:
+        return None
+    return _SAFETENSORS_DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def safetensors_files(model_dir: str) -> list[str]:

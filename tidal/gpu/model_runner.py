@@ -19,8 +19,8 @@ from tidal.gpu.attention import select_attention_backend
 from tidal.gpu.cuda_graphs import CudaGraphs, capture_sizes
 from tidal.gpu.forward_batch import ForwardBatch
 from tidal.gpu.model_config import ModelConfig
-from tidal.gpu.model_loader import load_model, resolve_model_dir
-from tidal.gpu.precision import resolve_dtype
+from tidal.gpu.model_loader import checkpoint_weight_dtype, load_model, resolve_model_dir
+from tidal.gpu.precision import resolve_precision
 from tidal.gpu.sequence import Sequence
 from tidal.gpu.synthetic_model import SYNTHETIC_MODEL_NAME, SyntheticModel
 from tidal.wire import EngineConfig
@@ -45,14 +45,17 @@ class ModelRunner:
         self.config = config
         per_node = config.tensor_parallel_size // config.nnodes  # 1 without tensor parallelism
         self.device = resolve_device(config.device, config.data_parallel_rank * per_node + tp_rank % per_node)
-        self.dtype, self.dtype_reason = resolve_dtype(config.dtype, self.device)
         self.model_dir = resolve_model_dir(config.model)
+        # linear weights in bf16 with float32 activations: the AVX2 path on a bf16 checkpoint (precision.py)
+        precision = resolve_precision(config.dtype, self.device, checkpoint_weight_dtype(self.model_dir))
+        self.dtype, self.linear_weights, self.dtype_reason = precision.dtype, precision.linear_weights, precision.reason
         self.tp = None  # this rank's parallel.TensorParallel, with --tensor-parallel-size > 1
         if config.tensor_parallel_size > 1:
             from tidal.gpu.parallel import join_group
 
             self.tp = join_group(config, tp_rank, self.model_dir, self.dtype, self.device)
             self.dtype, config = self.tp.dtype, self.tp.config  # rank 0's: every rank computes alike
+            self.linear_weights = self.dtype  # and plain weights: ranks' hosts may differ (no AVX2 path under TP)
             self.config = config
         log.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), self.dtype_reason)
         self.attention = select_attention_backend(config.attention_backend, self.device)
@@ -61,7 +64,7 @@ class ModelRunner:
             self.model = SyntheticModel(self.model_config, self.device)
         else:
             self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, self.attention,
-                                                       self.tp)
+                                                       self.tp, self.linear_weights)
         mc = self.model_config
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

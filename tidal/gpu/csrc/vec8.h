@@ -8,6 +8,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace tidal_cpu {
 
 // Eight floats as one value (GCC/Clang vector extension): a register on AVX, two on SSE. Keeps
@@ -79,13 +83,38 @@ inline vec8 exp_nonpositive(vec8 x) {
 typedef uint16_t u16vec8 __attribute__((vector_size(16)));
 typedef uint32_t uvec8 __attribute__((vector_size(32)));
 
-// Eight bf16 values widened to float (exact: bf16 is float's upper half).
+// Eight bf16 bits widened to float bits (exact: bf16 is float's upper half). With AVX2 one vpmovzxwd:
+// GCC splits the vector-extension conversion into two 4-lane halves and a merge.
+inline vec8 widen_bf16(u16vec8 half) {
+#if defined(__AVX2__)
+  __m128i raw;
+  std::memcpy(&raw, &half, sizeof(raw));
+  const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16);
+  return reinterpret_cast<const vec8&>(bits);
+#else
+  const uvec8 bits = __builtin_convertvector(half, uvec8) << 16;
+  return reinterpret_cast<const vec8&>(bits);
+#endif
+}
 inline vec8 load8(const c10::BFloat16* p) {
   u16vec8 half;
   std::memcpy(&half, p, sizeof(half));
-  const uvec8 bits = __builtin_convertvector(half, uvec8) << 16;
-  return reinterpret_cast<const vec8&>(bits);
+  return widen_bf16(half);
 }
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// One instruction rounds eight floats to bf16, to nearest even as c10::BFloat16(float) does (NaN stays
+// NaN; only denormals differ: the instruction flushes them to zero).
+inline void store8(c10::BFloat16* p, vec8 v) {
+  const __m128bh half = _mm256_cvtneps_pbh(reinterpret_cast<const __m256&>(v));
+  std::memcpy(p, &half, sizeof(half));
+}
+inline vec8 round_bf16(vec8 v) {
+  const __m128bh half = _mm256_cvtneps_pbh(reinterpret_cast<const __m256&>(v));
+  u16vec8 bits;
+  std::memcpy(&bits, &half, sizeof(bits));
+  return widen_bf16(bits);
+}
+#else
 // Eight floats rounded to bf16, to nearest even, as c10::BFloat16(float) rounds them (NaN stays NaN).
 inline void store8(c10::BFloat16* p, vec8 v) {
   const uvec8 bits = reinterpret_cast<const uvec8&>(v);
@@ -101,6 +130,7 @@ inline vec8 round_bf16(vec8 v) {
   const uvec8 rounded = ((bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u) | (bits & is_nan);
   return reinterpret_cast<const vec8&>(rounded);
 }
+#endif
 inline vec8 round_as(vec8 v, const float*) { return v; }
 inline vec8 round_as(vec8 v, const c10::BFloat16*) { return round_bf16(v); }
 

@@ -194,15 +194,16 @@ class LlamaForCausalLM(nn.Module):
             return logits
         return self.tp.gather_vocab(logits, self.config.vocab_size)
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, weight_dtype: torch.dtype | None = None) -> None:
         """Pack every matmul weight once, after loading (``Linear.pack``: the AVX512-BF16 kernel's layout
-        where the CPU has it, else oneDNN's)."""
+        where the CPU has it, else oneDNN's; a float32 model with ``weight_dtype=torch.bfloat16``: the
+        AVX2 kernel's bf16 layout)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack()
+                module.pack(weight_dtype)
         if self.config.tie_word_embeddings:
             # the embedding lookup still needs the plain table: the head gets its own packed copy
-            self._packed_lm_head = Linear.packed_from(self.model.embed_tokens)
+            self._packed_lm_head = Linear.packed_from(self.model.embed_tokens, weight_dtype)
         else:
             self._packed_lm_head = self.lm_head
 
