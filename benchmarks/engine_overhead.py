@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from tidal.gpu.engine import Engine
+from tidal.gpu.engine import PASSES, Engine
+from tidal.gpu.process import tighten_timer_slack
 from tidal.wire import AddRequest, EngineConfig, SamplingParams
 
 WARMUP_STEPS = 20
@@ -120,12 +121,17 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--sampling", default="greedy", choices=["greedy", "random", "stop"])
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the host is shared: 1 is steadiest)")
+    ap.add_argument("--passes", choices=sorted(PASSES), help="where passes run (default: the engine's choice)")
+    ap.add_argument("--default-timer-slack", action="store_true",
+                    help="keep Linux's 50 us timer slack (the engine process tightens it; for comparison)")
     args = ap.parse_args()
+    if not args.default_timer_slack:
+        tighten_timer_slack()  # as the engine process does, before any thread starts
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     step = args.step_ms / 1000
     engine = Engine(EngineConfig(model="tidal-test", min_step_time=step, max_num_seqs=max(batches),
-                                 max_num_batched_tokens=max(2048, 16 * max(batches)), num_kv_blocks=8192))
+                                 max_num_batched_tokens=max(2048, 16 * max(batches)), num_kv_blocks=8192), passes=args.passes)
     critical = CriticalPath(engine)
     results: dict[int, list[tuple[float, float, float]]] = {b: [] for b in batches}
     floors = []
@@ -136,7 +142,8 @@ def main() -> None:
             results[batch].append(time_steps(engine, batch, args.steps, args.sampling, next_id, critical))
             next_id += batch
     print(f"\ntidal-test, forward {args.step_ms} ms, {args.sampling} sampling, {args.steps} steps x "
-          f"{args.runs} runs (median), torch threads {args.threads}\n")
+          f"{args.runs} runs (median), torch threads {args.threads}, passes {args.passes or 'default'}, "
+          f"timer slack {'default' if args.default_timer_slack else '1 ns'}\n")
     floor = statistics.median(floors)
     print(f"host floor: a bare time.sleep({args.step_ms} ms) loop takes {floor * 1e3:.2f} ms per iteration\n")
     print("| batch | step ms | overhead ms | steps/s | % of ideal | engine CPU ms/step | critical path CPU ms |")

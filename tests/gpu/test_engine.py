@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -149,6 +150,30 @@ def test_other_passes_give_the_same_tokens(model_dir, hf_model, passes):
     engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=32, block_size=8,
                                  max_num_batched_tokens=24), passes=passes)
     assert run_engine(engine, {i: (p, greedy(8)) for i, p in enumerate(reqs)}) == expected
+
+
+@pytest.mark.parametrize("passes", ["thread", "deferred", "launched"])
+def test_a_min_step_time_pass_lasts_that_long_from_its_launch(passes):
+    """tidal-test's pass is a fixed-length device: however the step loop waits for it (the thread
+    hands its tokens over early, the step loop sleeps until the pass's end), a step never books a
+    pass before min_step_time has passed since that pass was launched."""
+    step_time = 0.03
+    engine = Engine(EngineConfig(model="tidal-test", min_step_time=step_time, num_kv_blocks=32, block_size=8),
+                    passes=passes)
+    launched, booked = [], []
+    launch = engine._launch
+
+    def recorded():
+        launched.append(time.monotonic())
+        return launch()
+
+    engine._launch = recorded
+    engine.add_request(AddRequest(1, list(range(100, 110)), greedy(5), 0, 0.0))
+    while engine.has_work():
+        engine.step()  # books the pass launched[len(booked)], launches the next
+        booked.append(time.monotonic())
+    assert len(engine.take_report().outputs) == 5
+    assert len(booked) == 5 and all(b - a >= step_time for a, b in zip(launched, booked))
 
 
 def test_cpu_pass_runs_on_the_step_loop_after_the_previous_step_is_reported(model_dir):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter
+from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -14,7 +17,7 @@ from transformers.generation.logits_process import (
 )
 
 from tidal.gpu import sampler as sampler_module
-from tidal.gpu.sampler import Sampler, apply_penalties, make_generator
+from tidal.gpu.sampler import ARGMAX_BLOCK, Sampler, apply_penalties, make_generator, row_argmax
 from tidal.wire import SamplingParams
 
 SAMPLER = Sampler()
@@ -58,6 +61,32 @@ def test_greedy_is_argmax_including_ties():
     logits[3, [7, 9]] = 100.0  # a tie: the first index wins, as in transformers' greedy search
     assert sample(logits, params(temperature=0.0)) == logits.argmax(dim=-1).tolist()
     assert sample(logits, params(temperature=0.0))[3] == 7
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 40), vocab=st.sampled_from([2 * ARGMAX_BLOCK, 8192, 1000, 4 * ARGMAX_BLOCK + 1]),
+       seed=st.integers(0, 2**31), alphabet=st.sampled_from(["ties", "nan", "wide"]), largest=st.booleans())
+def test_row_argmax_is_torchs_argmax(rows, vocab, seed, alphabet, largest):
+    """The blocked search gives torch's indices: the first of equal values (ties within a block,
+    across blocks, between the blocks and the partial last one), NaN as the extreme, +-inf."""
+    generator = torch.Generator().manual_seed(seed)
+    values = {"ties": [-1.0, 0.0, -0.0, 2.0, 3.0], "nan": [0.0, 1.0, float("nan"), float("inf")],
+              "wide": [float("-inf"), -5.0, 1.0, 7.0, float("inf")]}[alphabet]
+    table = torch.tensor(values)
+    x = table[torch.randint(len(values), (rows, vocab), generator=generator)]
+    expected = x.argmax(dim=-1) if largest else x.argmin(dim=-1)
+    with mock.patch.object(sampler_module, "BLOCKED_ARGMAX_MIN_ELEMENTS", 0):  # small inputs take the blocked path too
+        assert torch.equal(row_argmax(x, largest=largest), expected)
+
+
+def test_row_argmax_when_the_partial_last_block_holds_the_max():
+    x = torch.zeros(64, 1000)  # 1000 = 7 blocks of 128 + 104
+    x[:, 5] = 1.0
+    x[1, 990] = 2.0  # strictly larger in the tail: it wins
+    x[2, 990] = 1.0  # a tie with the head: the first index wins
+    x[3, 999] = float("nan")
+    assert row_argmax(x)[:5].tolist() == [5, 990, 5, 999, 5]
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy():

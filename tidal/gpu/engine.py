@@ -82,7 +82,8 @@ class Engine:
         # Where forward passes run (at most one is in flight). On CUDA kernel launches return at
         # once: the step loop launches the pass itself and waits on the device only when it wants
         # the tokens, so emitting the last step overlaps the pass with no thread and no GIL hand-off.
-        # tidal-test's pass is a sleep, which needs a thread to overlap. On a CPU the pass is host
+        # tidal-test's pass is a clock: a thread computes it beside the step loop, which then sleeps
+        # until the pass's end (``ThreadPass``). On a CPU the pass is host
         # work on every core: a thread there only adds two thread hand-offs per step and a GIL
         # tug-of-war with the step loop, so the pass runs on the step loop's thread when its result
         # is first wanted (docs/engine.md).
@@ -212,7 +213,10 @@ class Engine:
             self._dirty = True
         if not batch:
             return None
-        return InFlight(batch, self._passes.submit(self._start_pass, self._finish_pass, batch, time.monotonic()))
+        launched_at = time.monotonic()
+        # with min_step_time (tidal-test) the pass lasts that long from its launch, like a device's
+        ends_at = launched_at + self.min_step_time if self.min_step_time else 0.0
+        return InFlight(batch, self._passes.submit(self._start_pass, self._finish_pass, ends_at, batch))
 
     def _default_passes(self) -> str:
         if isinstance(self.runner.model, SyntheticModel):
@@ -220,7 +224,7 @@ class Engine:
         return "launched" if self.runner.device.type == "cuda" else "deferred"
 
     @torch.inference_mode()
-    def _start_pass(self, batch: ScheduledBatch, launched_at: float) -> StartedPass:
+    def _start_pass(self, batch: ScheduledBatch) -> StartedPass:
         """The device's share of a step, launched: one forward pass, one sampled token per
         ``batch.sampling`` (a device tensor, not yet read back), and the log-softmax of the rows
         that asked for logprobs, taken before the grammar mask and the sampler edit the logits.
@@ -232,20 +236,15 @@ class Engine:
         sampling = self._sampling_batch(batch.sampling)
         captured = CapturedLogprobs.capture(logits, sampling.params)  # None when no row asks
         self.grammars.apply_mask(logits, batch.sampling)  # constrained rows only
-        return StartedPass(batch, self.sampler.sample_tokens(logits, sampling), captured, launched_at)
+        return StartedPass(batch, self.sampler.sample_tokens(logits, sampling), captured)
 
     def _finish_pass(self, started: StartedPass) -> tuple[list[int], dict[int, Logprobs]]:
         """The tokens of a launched pass (waits for the device) and the logprobs of the rows
-        that asked (request id -> one token's). With ``min_step_time`` (the test model) the pass
-        lasts at least that long from its launch."""
+        that asked (request id -> one token's)."""
         tokens = started.tokens.tolist()
         captured, sampling = started.captured, started.batch.sampling
         logprobs = {} if captured is None else {
             sampling[i].request_id: lp for i, lp in captured.for_tokens(tokens).items()}
-        if self.min_step_time:
-            remaining = self.min_step_time - (time.monotonic() - started.launched_at)
-            if remaining > 0:
-                time.sleep(remaining)
         return tokens, logprobs
 
     def _sampling_batch(self, sampling: list[Sequence]) -> SamplingBatch:
@@ -362,21 +361,44 @@ class StartedPass:
     batch: ScheduledBatch
     tokens: torch.Tensor  # [len(batch.sampling)] int64, on the device
     captured: CapturedLogprobs | None
-    launched_at: float
 
 
 Start = Callable[..., StartedPass]
 Finish = Callable[[StartedPass], T]
 
 
+def wait_until(deadline: float) -> None:
+    """Sleep until ``time.monotonic()`` reaches ``deadline`` (0: no deadline)."""
+    remaining = deadline - time.monotonic()
+    if remaining > 0:
+        time.sleep(remaining)
+
+
 class ForwardThread:
-    """Runs each pass, launch and read-back, on the ``tidal-forward`` thread, overlapping the step loop."""
+    """Runs each pass, launch and read-back, on the ``tidal-forward`` thread, overlapping the step loop.
+
+    A pass with a deadline (``min_step_time``) is a clock, as a device is: the step loop sleeps
+    until the deadline itself, and by then the thread has long handed its result over, so the
+    step loop wakes once, on its own timer, not through a second thread's wake-up.
+    """
 
     def __init__(self) -> None:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tidal-forward")
 
-    def submit(self, start: Start, finish: Finish[T], *args) -> Future[T]:
-        return self._thread.submit(lambda: finish(start(*args)))
+    def submit(self, start: Start, finish: Finish[T], ends_at: float, *args) -> ThreadPass[T]:
+        return ThreadPass(self._thread.submit(lambda: finish(start(*args))), ends_at)
+
+
+class ThreadPass(Generic[T]):
+    """A pass on the forward thread; ``result()`` sleeps until its end, then takes its tokens."""
+
+    def __init__(self, future: Future[T], ends_at: float) -> None:
+        self._future = future
+        self._ends_at = ends_at
+
+    def result(self) -> T:
+        wait_until(self._ends_at)
+        return self._future.result()
 
 
 class DeferredPasses:
@@ -386,8 +408,8 @@ class DeferredPasses:
     reported the previous step, so the order of a step is the same as with the thread.
     """
 
-    def submit(self, start: Start, finish: Finish[T], *args) -> DeferredPass[T]:
-        return DeferredPass(lambda: finish(start(*args)))
+    def submit(self, start: Start, finish: Finish[T], ends_at: float, *args) -> DeferredPass[T]:
+        return DeferredPass(lambda: finish(start(*args)), ends_at)
 
 
 class LaunchedPasses:
@@ -397,20 +419,22 @@ class LaunchedPasses:
     loop goes on to emit the previous step while they run, and the read-back waits for them.
     """
 
-    def submit(self, start: Start, finish: Finish[T], *args) -> DeferredPass[T]:
+    def submit(self, start: Start, finish: Finish[T], ends_at: float, *args) -> DeferredPass[T]:
         started = start(*args)
-        return DeferredPass(lambda: finish(started))
+        return DeferredPass(lambda: finish(started), ends_at)
 
 
 class DeferredPass(Generic[T]):
-    def __init__(self, call: Callable[[], T]) -> None:
+    def __init__(self, call: Callable[[], T], ends_at: float) -> None:
         self._call: Callable[[], T] | None = call
+        self._ends_at = ends_at
         self._value: T
 
     def result(self) -> T:
         if self._call is not None:
             self._value = self._call()
             self._call = None
+            wait_until(self._ends_at)
         return self._value
 
 

@@ -100,15 +100,54 @@ class Sampler:
         if batch.penalised:
             apply_penalties(logits, params, batch.output_token_ids, batch.prompt_token_ids)
         if not sampled:
-            return logits.argmax(dim=-1)
+            return row_argmax(logits)
         if len(sampled) == num_rows:
             return _sample_rows(logits, params, generators)
 
-        tokens = logits.argmax(dim=-1)
+        tokens = row_argmax(logits)
         rows = torch.tensor(sampled, device=logits.device)
         tokens[rows] = _sample_rows(
             logits[rows], [params[i] for i in sampled], [generators[i] for i in sampled])
         return tokens
+
+
+# ------------------------------------------------------------------ argmax
+
+# torch's CPU argmax along a row is a scalar loop (~0.9 ns per element here), its amax a
+# vectorised one (~15x faster): on a CPU, large rows are searched block by block instead.
+ARGMAX_BLOCK = 128
+BLOCKED_ARGMAX_MIN_ELEMENTS = 32768  # below this (one row of a small vocabulary) argmax is as fast
+
+
+def row_argmax(x: torch.Tensor, largest: bool = True) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (or ``argmin`` with ``largest=False``) of a 2-D tensor, the same
+    indices (the first of equal values; NaN counts as the extreme, as in torch), faster on a CPU.
+
+    The row's blocks of ARGMAX_BLOCK are reduced with amax; the first block holding the row's
+    extreme holds its first occurrence, so only that block is searched element by element.
+    """
+    n, v = x.shape
+    if x.device.type != "cpu" or x.numel() < BLOCKED_ARGMAX_MIN_ELEMENTS or v < 2 * ARGMAX_BLOCK \
+            or x.stride(1) != 1:
+        return x.argmax(dim=-1) if largest else x.argmin(dim=-1)
+    main = v - v % ARGMAX_BLOCK
+    blocks = x[:, :main].view(n, main // ARGMAX_BLOCK, ARGMAX_BLOCK)
+    if largest:
+        best = blocks.amax(dim=-1).argmax(dim=-1)
+        within = blocks[torch.arange(n), best].argmax(dim=-1)
+    else:
+        best = blocks.amin(dim=-1).argmin(dim=-1)
+        within = blocks[torch.arange(n), best].argmin(dim=-1)
+    index = best * ARGMAX_BLOCK + within
+    if main == v:
+        return index
+    tail = x[:, main:]  # the last, partial block: it wins only if strictly more extreme
+    tail_index = tail.argmax(dim=-1) if largest else tail.argmin(dim=-1)
+    head_value = x.gather(1, index.unsqueeze(1)).squeeze(1)
+    tail_value = tail.gather(1, tail_index.unsqueeze(1)).squeeze(1)
+    beats = tail_value > head_value if largest else tail_value < head_value
+    beats |= tail_value.isnan() & ~head_value.isnan()
+    return torch.where(beats, tail_index + main, index)
 
 
 # ------------------------------------------------------------------ penalties
@@ -299,4 +338,4 @@ def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | No
             row = torch.empty(probs.shape[1], dtype=probs.dtype, device=generator.device)
             noise[i] = row.uniform_(tiny, 1.0, generator=generator)
     noise.log_()
-    return probs.div_(noise).argmin(dim=-1)
+    return row_argmax(probs.div_(noise), largest=False)
