@@ -122,13 +122,7 @@ void decode_one(const scalar_t* query, int64_t q_stride_b, int64_t q_stride_h, c
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * padded_len;
     const int64_t full = seq_len / kWidth * kWidth;
-    float max_score = -INFINITY;
-    if (full) {
-      vec8 m = load8(s);
-      for (int64_t i = kWidth; i < full; i += kWidth) m = vmax(m, load8(s + i));
-      max_score = hmax(m);
-    }
-    for (int64_t i = full; i < seq_len; ++i) max_score = std::max(max_score, s[i]);
+    const float max_score = row_max(s, seq_len);
     vec8 total = splat(0.f);
     for (int64_t i = 0; i < full; i += kWidth) {
       const vec8 e = exp_nonpositive(load8(s + i) - max_score);

@@ -35,13 +35,7 @@ constexpr int64_t kElementsPerTask = 1 << 20;
 // Turns one row of logits into its weights in place: exp((x - max) * inv_t), exactly 0 for -inf.
 void logits_to_weights(float* x, int64_t v, float inv_t) {
   const int64_t full = v / kWidth * kWidth;
-  float top = -INFINITY;
-  if (full) {
-    vec8 m = load8(x);
-    for (int64_t i = kWidth; i < full; i += kWidth) m = vmax(m, load8(x + i));
-    top = hmax(m);
-  }
-  for (int64_t i = full; i < v; ++i) top = std::max(top, x[i]);
+  const float top = row_max(x, v);
   // below exp(-87) a weight is under float's normal range: call it 0, which also keeps -inf at 0
   const vec8 shift = splat(top), scale = splat(inv_t), floor = splat(-87.0f), zero = splat(0.0f);
   for (int64_t i = 0; i < full; i += kWidth) {

@@ -5,6 +5,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -54,6 +55,18 @@ inline float hmax(vec8 v) {
   v = vmax(v, __builtin_shuffle(v, ivec8{2, 3, 0, 1, 6, 7, 4, 5}));
   v = vmax(v, __builtin_shuffle(v, ivec8{1, 0, 3, 2, 5, 4, 7, 6}));
   return v[0];
+}
+// The largest of x[0, n) (-inf when n is 0): eight lanes at a time, then the tail.
+inline float row_max(const float* x, int64_t n) {
+  const int64_t full = n / kWidth * kWidth;
+  float top = -INFINITY;
+  if (full) {
+    vec8 m = load8(x);
+    for (int64_t i = kWidth; i < full; i += kWidth) m = vmax(m, load8(x + i));
+    top = hmax(m);
+  }
+  for (int64_t i = full; i < n; ++i) top = top > x[i] ? top : x[i];
+  return top;
 }
 
 // exp(x) for x <= 0, eight at a time, branch-free (std::exp does not vectorise without
