@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import math
 import pstats
 import resource
 import socket
@@ -25,17 +24,20 @@ from types import SimpleNamespace
 
 import h11
 import trio
+from frontend_rig import open_streams
 from h11._writers import ChunkedWriter
 
-from tidal.config import ServerConfig
-from tidal.engine_client import EngineClient
 from tidal.fast_send import BodyWriter
-from tidal.frontend import Frontend
-from tidal.metrics import Metrics
 from tidal.protocol import ChunkEncoder
 from tidal.streaming import OutputReader, SseBody
-from tidal.wire import (HEADER_SIZE, EngineConfig, EngineStats, RequestOutput, SamplingParams, StepReport,
-                        decode_from_engine, encode_frame)
+from tidal.wire import (
+    HEADER_SIZE,
+    EngineStats,
+    RequestOutput,
+    StepReport,
+    decode_from_engine,
+    encode_frame,
+)
 
 
 def chunked_body_connection() -> h11.Connection:
@@ -66,13 +68,7 @@ def socket_pair(tcp: bool) -> tuple[socket.socket, socket.socket]:
 
 
 async def main(batch: int, steps: int, tcp: bool, profile: bool) -> None:
-    config = ServerConfig(engine=EngineConfig(model="m", max_num_seqs=batch))
-    engine = EngineClient(config.engine, channel_capacity=math.inf)
-    engine.ready = object()  # type: ignore[assignment]  # healthy, no process: what it sends stays queued
-    frontend = Frontend(config, engine, Metrics("m"), max_num_seqs=batch)
-    requests = [frontend.open_request([1, 2, 3], SamplingParams(max_tokens=10**7), 0) for _ in range(batch)]
-    ids = [r.request_id for r in requests]
-    engine._handle(StepReport(ids, [RequestOutput(i, [5], "a") for i in ids], [], EngineStats()))
+    engine, frontend, requests, ids = open_streams(batch)
     peers = []
     for request in requests:
         ours, peer = socket_pair(tcp)

@@ -12,30 +12,26 @@ the socket path, which ``frontend_cost.py`` includes.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 
 import trio
+from frontend_rig import open_streams
 
-from tidal.config import ServerConfig
-from tidal.engine_client import EngineClient
-from tidal.frontend import Frontend
-from tidal.metrics import Metrics
 from tidal.protocol import ChunkEncoder
 from tidal.streaming import OutputReader, SseBody
-from tidal.wire import (HEADER_SIZE, EngineConfig, EngineStats, RequestOutput, SamplingParams, StepReport,
-                        decode_from_engine, encode_frame)
+from tidal.wire import (
+    HEADER_SIZE,
+    EngineStats,
+    RequestOutput,
+    StepReport,
+    decode_from_engine,
+    encode_frame,
+)
 
 
 async def main(batch: int, steps: int) -> None:
-    config = ServerConfig(engine=EngineConfig(model="m", max_num_seqs=batch))
-    engine = EngineClient(config.engine, channel_capacity=math.inf)
-    engine.ready = object()  # type: ignore[assignment]  # healthy, no process: what it sends stays queued
-    frontend = Frontend(config, engine, Metrics("m"), max_num_seqs=batch)
-    requests = [frontend.open_request([1, 2, 3], SamplingParams(max_tokens=10**7), 0) for _ in range(batch)]
-    ids = [r.request_id for r in requests]
-    engine._handle(StepReport(ids, [RequestOutput(i, [5], "a") for i in ids], [], EngineStats()))
+    engine, frontend, requests, ids = open_streams(batch)
     bodies = []
     for request in requests:
         reader = OutputReader(frontend, request, await request.mailbox.take(), 1)
