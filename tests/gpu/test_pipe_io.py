@@ -54,12 +54,7 @@ def test_reports_merge_losslessly_while_the_reader_is_behind():
     assert put_time < 5.0, "put_report must never wait for the reader"
     assert outbox.num_merged_reports > 0, "the pipe filled up, so reports were merged"
 
-    reader = threading.Thread(target=lambda: received.extend(read_all(read_fd)))
-    received: list = []
-    reader.start()
-    outbox.close()
-    os.close(write_fd)
-    reader.join(30)
+    received = _close_and_read_all(outbox, read_fd, write_fd)
     reports = [m for m in received if isinstance(m, StepReport)]
     assert len(reports) < num_reports
     got: dict[int, list[int]] = {1: [], 2: [], 3: []}
@@ -108,16 +103,22 @@ def test_step_loop_writes_reports_itself_and_a_frame_cut_short_is_finished_first
     outbox.put_control(Pong(9, EngineStats(step=5)))
     assert outbox.num_direct_reports == 2 and outbox.num_merged_reports == 3
 
-    reader = threading.Thread(target=lambda: received.extend(read_all(read_fd)))
-    received: list = []
-    reader.start()
-    outbox.close()
-    os.close(write_fd)
-    reader.join(30)
+    received = _close_and_read_all(outbox, read_fd, write_fd)
     reports = [m for m in received if isinstance(m, StepReport)]
     assert [t for r in reports for o in r.outputs for t in o.token_ids] == [6, 7, 8, 9, 10]
     assert "".join(o.text for r in reports for o in r.outputs) == big + "bbbb"
     assert any(isinstance(m, Pong) and m.nonce == 9 for m in received)
+
+
+def _close_and_read_all(outbox, read_fd: int, write_fd: int) -> list:
+    """Close the outbox (it flushes what it holds) while a reader drains the pipe; every message read."""
+    received: list = []
+    reader = threading.Thread(target=lambda: received.extend(read_all(read_fd)))
+    reader.start()
+    outbox.close()
+    os.close(write_fd)
+    reader.join(30)
+    return received
 
 
 def _read_frames(fd: int, count: int) -> list:
