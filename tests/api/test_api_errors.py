@@ -179,6 +179,15 @@ def test_body_just_under_the_limit_is_served(http):
     assert response.json()["usage"]["completion_tokens"] == 4
 
 
+def test_body_one_byte_over_the_limit_is_413(api_server):
+    # the completion route serves a Content-Length up to the limit itself and leaves the rest to quart
+    raw = json.dumps(chat_body()).encode()
+    padded = raw[:-1] + b" " * (MAX_BODY_BYTES + 1 - len(raw)) + b"}"
+    assert len(padded) == MAX_BODY_BYTES + 1
+    with httpx.Client(base_url=api_server.url, timeout=30) as http:
+        assert_openai_error(post(http, CHAT, padded), 413, None)
+
+
 # ------------------------------------------------------------------ afterwards
 
 
