@@ -224,7 +224,7 @@ def _sample_rows(
     draw only compares ratios, so renormalising would change nothing.
     """
     vocab_size = logits.shape[1]
-    filters = any((p.top_k is not None and p.top_k < vocab_size) or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+    filters = any(_cuts_top_k_or_p(p, vocab_size) or p.min_p > 0.0 for p in params)
     draw = _cpu_draw(logits)
     if draw is not None and not filters:  # softmax, temperature and draw in one pass per row
         inv_temperature = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
@@ -242,6 +242,11 @@ def _sample_rows(
     return _exponential_race(probs, generators)
 
 
+def _cuts_top_k_or_p(p: SamplingParams, vocab_size: int) -> bool:
+    """Whether top-k or top-p can remove a token of this row."""
+    return (p.top_k is not None and p.top_k < vocab_size) or p.top_p < 1.0
+
+
 def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> None:
     """Zero every probability outside its row's top-k and then top-p set, in place.
 
@@ -249,10 +254,7 @@ def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> None:
     width that covers its top-k and, for top-p, widens until the candidates hold enough mass.
     """
     vocab_size = probs.shape[1]
-    filtered = [
-        i for i, p in enumerate(params)
-        if (p.top_k is not None and p.top_k < vocab_size) or p.top_p < 1.0
-    ]
+    filtered = [i for i, p in enumerate(params) if _cuts_top_k_or_p(p, vocab_size)]
     if not filtered:
         return
     device = probs.device
