@@ -150,6 +150,22 @@ def test_result_does_not_depend_on_thread_count(kernel, dtype):
     assert torch.equal(single[0], multi[0]) and torch.equal(single[1], multi[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_that_take_over_sequences_give_the_one_thread_result(kernel, dtype):
+    # csrc/claims.h (bf16 path): with four times more threads than cores, threads are preempted and the
+    # others take over their last sequences; each sequence is still attended exactly once
+    case = make_case([3, 17, 64, 100, 250, 1, 40, 9] * 3, 4, 2, 64, 16, dtype, seed=9)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernel(*case[:5], 0.125)
+        torch.set_num_threads(4 * max(2, os.cpu_count() or 2))
+        for _ in range(20):
+            assert torch.equal(kernel(*case[:5], 0.125), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_rejects_block_ids_outside_the_cache(kernel):
     query, k_cache, v_cache, tables, lens, _ = make_case([20, 5], 4, 2, 64, 16)
     bad = tables.clone()

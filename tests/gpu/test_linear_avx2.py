@@ -4,6 +4,8 @@ prefill row counts; and Linear packs a float32 weight for it only when asked to 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,3 +96,21 @@ def test_linear_stores_a_float32_weight_in_bf16_only_when_asked(ops, bias):
         assert_linear_matches(stored(x), x, weight, b)
         # lossless on bf16 values: the float32 linear's result up to summation order
         torch.testing.assert_close(stored(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 8192, 768), (16, 4096, 768), (9, 768, 2048)])
+def test_threads_that_take_over_work_give_the_one_thread_result(ops, m, n, k):
+    # csrc/claims.h: with four times more threads than cores, threads are preempted mid-call and the others
+    # take over the rest of their shares; every column group still runs exactly once, with the same sums
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(m, k, generator=gen)
+    packed = pack_avx2_weight((torch.randn(n, k, generator=gen) / k**0.5).bfloat16())
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = ops.linear_avx2(x, packed, n, None)
+        torch.set_num_threads(4 * max(2, os.cpu_count() or 2))
+        for _ in range(20):
+            assert torch.equal(ops.linear_avx2(x, packed, n, None), alone)
+    finally:
+        torch.set_num_threads(threads)

@@ -4,6 +4,8 @@ on CPUs that have the instructions."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -60,6 +62,24 @@ def test_kernel_at_model_shapes(ops, m, n, k):
     x = torch.randn(m, k, generator=gen).bfloat16()
     weight = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
     assert_linear_matches(ops.linear_bf16(x, pack_gemv_weight(weight), n, None), x, weight, None)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 8192, 768), (16, 4096, 768), (5, 768, 2048)])
+def test_threads_that_take_over_work_give_the_one_thread_result(ops, m, n, k):
+    # csrc/claims.h: with four times more threads than cores, threads are preempted mid-call and the others
+    # take over the rest of their shares; every column group still runs exactly once, with the same sums
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    packed = pack_gemv_weight((torch.randn(n, k, generator=gen) / k**0.5).bfloat16())
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = ops.linear_bf16(x, packed, n, None)
+        torch.set_num_threads(4 * max(2, os.cpu_count() or 2))
+        for _ in range(20):
+            assert torch.equal(ops.linear_bf16(x, packed, n, None), alone)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_kernel_keeps_leading_dims_and_empty_batches(ops):

@@ -17,6 +17,10 @@ One library (ops under ``torch.ops.tidal_cpu``) from these sources:
 * ``csrc/linear_avx2.cpp``: the linear for float32 models whose linear weights are stored in bf16
   (CPUs with AVX2+FMA and no native bf16; tidal/gpu/precision.py says when).
 
+The linears and the attention kernels split their work with ``csrc/claims.h``: each thread walks its
+own share in order and takes over the back of another's once done, so a thread preempted by the
+frontend or the client (they wake at every token, on the same cores) does not hold the step back.
+
 The build takes tens of seconds the first time and is cached in torch's extensions directory
 (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), so later processes only
 load the shared library. ``TIDAL_CPU_KERNELS=0`` turns the kernels off; so does any failure to
@@ -41,7 +45,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "paged_decode_bf16.cpp", _CSRC / "layer_ops.cpp",
             _CSRC / "linear_bf16.cpp", _CSRC / "linear_avx2.cpp", _CSRC / "sampling.cpp"]
-_HEADERS = [_CSRC / "vec8.h", _CSRC / "paged_decode_bf16.h"]
+_HEADERS = [_CSRC / "vec8.h", _CSRC / "paged_decode_bf16.h", _CSRC / "claims.h"]
 _lock = threading.Lock()
 _loaded = False  # whether a load was attempted (its result, possibly None, is in _ops)
 _ops = None  # torch.ops.tidal_cpu once loaded

@@ -26,6 +26,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "claims.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #define TIDAL_AVX2_FMA 1
 #include <immintrin.h>
@@ -177,8 +179,9 @@ TIDAL_TARGET void tile_pass(const Problem& p, int64_t row, int64_t rows, int hal
 // Groups [begin, end), each for every row before the next, so the passes after the first find its weights
 // in cache. Those passes, computing from cache, prefetch the next slice (this group's next K chunk, or the
 // next group) into L2, shared out between them, so the next first pass does not wait on memory: the
-// weight read overlaps the arithmetic (at 4 rows the two passes took 2.1x one row's time without it).
-TIDAL_TARGET void run_groups(const Problem& p, int64_t begin, int64_t end) {
+// weight read overlaps the arithmetic (at 4 rows the two passes took 2.1x one row's time without it). The
+// next group is prefetched when it lies below ahead_end (the thread's likely next work, claims.h).
+TIDAL_TARGET void run_groups(const Problem& p, int64_t begin, int64_t end, int64_t ahead_end) {
   const int64_t chunk = p.m > kMaxRows ? kChunk : p.k;
   std::vector<float> partial(chunk < p.k ? p.m * kGroup : 0);
   int64_t passes = 0;
@@ -192,7 +195,7 @@ TIDAL_TARGET void run_groups(const Problem& p, int64_t begin, int64_t end) {
       if (last < p.k) {
         next = p.w + (group * p.k + last) * kGroup;
         next_lines = std::min(p.k, last + chunk) - last;
-      } else if (group + 1 < end) {
+      } else if (group + 1 < ahead_end) {
         next = p.w + (group + 1) * p.k * kGroup;
         next_lines = std::min(chunk, p.k);
       }
@@ -223,7 +226,7 @@ bool cpu_has_avx2_fma() {
 #else
 
 bool cpu_has_avx2_fma() { return false; }
-void run_groups(const Problem&, int64_t, int64_t) {}
+void run_groups(const Problem&, int64_t, int64_t, int64_t) {}
 
 #endif  // TIDAL_AVX2_FMA
 
@@ -261,10 +264,11 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t n,
             m,
             n,
             k};
-  // split the groups over threads only where each gets enough weight to stream
+  // split the groups over threads only where each gets enough weight to stream; a group per claim
   const int64_t group_bytes = k * kGroup * 2;
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, group_bytes * m));
-  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) { run_groups(p, begin, end); });
+  tidal_cpu::parallel_claims(groups, 1, (groups + grain - 1) / grain,
+                             [&](int64_t begin, int64_t end, int64_t ahead_end) { run_groups(p, begin, end, ahead_end); });
   return out;
 }
 

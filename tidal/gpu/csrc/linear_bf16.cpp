@@ -23,6 +23,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "claims.h"
+
 #if (defined(__x86_64__) || defined(__i386__)) && \
     ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
 #define TIDAL_AVX512_BF16 1
@@ -145,8 +147,9 @@ TIDAL_TARGET void tile_rows(const Problem& p, int64_t row, int64_t rows, int64_t
 // the next, so rows past the first 4 find the group's weights in L2. Where a group's slice of the weight
 // would not stay in L2 (long K and many rows: prefill of a large model), K is walked in chunks that do.
 // With more than 4 rows, the passes after the first (computing from L2) prefetch the next slice into L2,
-// so its first pass does not wait on memory: the weight read overlaps the arithmetic.
-TIDAL_TARGET void run_blocks(const Problem& p, int64_t begin, int64_t end) {
+// so its first pass does not wait on memory: the weight read overlaps the arithmetic. The next group's
+// slice is prefetched when it lies below ahead_end (the thread's likely next work, claims.h).
+TIDAL_TARGET void run_blocks(const Problem& p, int64_t begin, int64_t end, int64_t ahead_end) {
   const int64_t chunk = p.m > kMaxRows ? kChunkPairs : p.pairs;
   const int64_t passes = (p.m + kMaxRows - 1) / kMaxRows;
   std::vector<float> partial(chunk < p.pairs ? p.m * kMaxBlocks * kBlock : 0);
@@ -161,9 +164,9 @@ TIDAL_TARGET void run_blocks(const Problem& p, int64_t begin, int64_t end) {
       if (last < p.pairs) {
         next = group + last * blocks * 32;
         next_lines = (std::min(p.pairs, last + chunk) - last) * blocks;
-      } else if (block + kMaxBlocks < end) {
+      } else if (block + kMaxBlocks < ahead_end) {
         next = p.w + (block + kMaxBlocks) * p.pairs * 32;
-        next_lines = std::min(chunk, p.pairs) * std::min<int64_t>(kMaxBlocks, end - block - kMaxBlocks);
+        next_lines = std::min(chunk, p.pairs) * std::min<int64_t>(kMaxBlocks, ahead_end - block - kMaxBlocks);
       }
       const int64_t share = passes > 1 ? (next_lines + passes - 2) / (passes - 1) : 0;  // lines per later pass
       for (int64_t row = 0; row < p.m; row += kMaxRows) {
@@ -195,7 +198,7 @@ bool cpu_has_avx512_bf16() {
 #else
 
 bool cpu_has_avx512_bf16() { return false; }
-void run_blocks(const Problem&, int64_t, int64_t) {}
+void run_blocks(const Problem&, int64_t, int64_t, int64_t) {}
 
 #endif  // TIDAL_AVX512_BF16
 
@@ -232,11 +235,11 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
             n,
             k,
             pairs};
-  // split the columns over threads only where each gets enough weight to stream
+  // split the columns over threads only where each gets enough weight to stream; a group per claim
   const int64_t groups = (blocks + kMaxBlocks - 1) / kMaxBlocks, group_bytes = pairs * 64 * kMaxBlocks;
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, group_bytes * m));
-  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-    run_blocks(p, begin * kMaxBlocks, std::min(blocks, end * kMaxBlocks));
+  tidal_cpu::parallel_claims(groups, 1, (groups + grain - 1) / grain, [&](int64_t begin, int64_t end, int64_t ahead_end) {
+    run_blocks(p, begin * kMaxBlocks, std::min(blocks, end * kMaxBlocks), std::min(blocks, ahead_end * kMaxBlocks));
   });
   return out;
 }

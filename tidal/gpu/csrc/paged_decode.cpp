@@ -19,6 +19,7 @@
 #include <cstring>
 #include <vector>
 
+#include "claims.h"
 #include "paged_decode_bf16.h"
 #include "vec8.h"
 
@@ -191,8 +192,9 @@ void decode_all(const at::Tensor& query, const at::Tensor& k_cache, const at::Te
   const int64_t tasks = num_seqs * num_kv_heads;
   const int64_t flops_per_task = std::max<int64_t>(1, 4 * group * dim * total_len / std::max<int64_t>(1, num_seqs));
   const int64_t grain = std::max<int64_t>(1, (1 << 20) / flops_per_task);
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf;
+  // a task per claim (claims.h): a thread that falls behind has its last tasks taken over
+  tidal_cpu::parallel_claims(tasks, 1, (tasks + grain - 1) / grain, [&](int64_t begin, int64_t end, int64_t) {
+    thread_local std::vector<float> buf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int32_t* table = tables + seq * table_stride;

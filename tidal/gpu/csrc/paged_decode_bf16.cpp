@@ -22,6 +22,8 @@
 
 #include "paged_decode_bf16.h"
 
+#include "claims.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -314,8 +316,9 @@ void paged_decode_bf16(const c10::BFloat16* query, int64_t q_stride_b, int64_t q
   // enough tasks per chunk that a chunk is worth a thread (~1M flops)
   const int64_t flops_per_task = std::max<int64_t>(1, 4 * num_heads / splits * dim * total_len / std::max<int64_t>(1, num_seqs));
   const int64_t grain = std::max<int64_t>(1, (1 << 20) / flops_per_task);
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    Scratch scratch;
+  // a task per claim (claims.h): a thread that falls behind has its last sequences taken over
+  parallel_claims(tasks, 1, (tasks + grain - 1) / grain, [&](int64_t begin, int64_t end, int64_t ahead_end) {
+    thread_local Scratch scratch;
     auto task_at = [&](int64_t task) {
       const int64_t seq = task / splits, first_kv = task % splits * kv_per_task;
       return Task{reinterpret_cast<const uint16_t*>(k_cache), reinterpret_cast<const uint16_t*>(v_cache),
@@ -324,7 +327,7 @@ void paged_decode_bf16(const c10::BFloat16* query, int64_t q_stride_b, int64_t q
     };
     Task t = task_at(begin), next{};
     for (int64_t task = begin; task < end; ++task, t = next) {
-      const bool more = task + 1 < end;
+      const bool more = task + 1 < ahead_end;  // the next task is likely this thread's: prefetch its rows
       if (more) next = task_at(task + 1);
       const int64_t seq = task / splits;
       const uint16_t* q_task = q + seq * q_stride_b + t.first_kv_head * group * q_stride_h;
