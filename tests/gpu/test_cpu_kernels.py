@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tidal.gpu import cpu_kernels
-from tidal.gpu.attention import TorchPagedAttention
+from tidal.gpu.attention import TorchPagedAttention, write_kv_cache
 from tidal.gpu.forward_batch import ForwardBatch
 
 
@@ -164,6 +164,40 @@ def test_threads_that_take_over_sequences_give_the_one_thread_result(kernel, dty
             assert torch.equal(kernel(*case[:5], 0.125), alone)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_write_op_writes_what_index_copy_writes(kernel, dtype):
+    # key and value as the qkv projection leaves them: strided views of one [T, (Hq + 2 Hkv) * D] tensor
+    gen = torch.Generator().manual_seed(4)
+    rows, kv_heads, dim, blocks, block_size = 21, 2, 64, 7, 16
+    qkv = torch.randn(rows, 8 * kv_heads * dim, generator=gen).to(dtype)
+    _, key, value = qkv.split((6 * kv_heads * dim, kv_heads * dim, kv_heads * dim), dim=1)
+    key, value = key.view(rows, kv_heads, dim), value.view(rows, kv_heads, dim)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:rows]
+    k_cache = torch.randn(blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    write_kv_cache(key, value, k_expected, v_expected, slots)
+    torch.ops.tidal_cpu.write_kv_cache_(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+
+
+@pytest.mark.parametrize("bad_slot", [-1, 7 * 16])
+def test_cache_write_op_refuses_a_slot_outside_the_cache_and_writes_nothing(kernel, bad_slot):
+    key, value = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    k_cache, v_cache = torch.zeros(7, 16, 2, 64), torch.zeros(7, 16, 2, 64)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.tidal_cpu.write_kv_cache_(key, value, k_cache, v_cache, torch.tensor([0, 5, bad_slot]))
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_cache_write_op_refuses_a_dtype_other_than_the_cache(kernel):
+    # the attention backend converts with index_copy_ then; the op itself never converts silently
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.tidal_cpu.write_kv_cache_(torch.randn(1, 2, 64), torch.randn(1, 2, 64),
+                                            torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16),
+                                            torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16), torch.tensor([3]))
 
 
 def test_rejects_block_ids_outside_the_cache(kernel):

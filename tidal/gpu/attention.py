@@ -54,6 +54,8 @@ class TorchPagedAttention:
         self._buffers: dict[str, torch.Tensor] = {}
         # built (or loaded from cache) here, at model load, never in the hot path; None: gather + SDPA
         self._cpu_decode = load_decode_kernel() if torch.device(device).type == "cpu" else None
+        # the cache write as one op (csrc/paged_decode.cpp) where the kernels built; else index_copy_
+        self._cpu_write = None if self._cpu_decode is None else load_cpu_ops().write_kv_cache_
         self._rows_on_kernel: dict[int, bool] = {}  # head dim -> whether prefill rows go through the kernel
         self._rows_batch: ForwardBatch | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # that batch's row tables and lengths
@@ -69,7 +71,10 @@ class TorchPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         """Store ``key``/``value`` [T, Hkv, D] at ``batch.slot_mapping``, return attention output [T, Hq, D]."""
-        write_kv_cache(key, value, k_cache, v_cache, batch.slot_mapping)
+        if self._cpu_write is not None and key.dtype == k_cache.dtype and key.device.type == "cpu":
+            self._cpu_write(key, value, k_cache, v_cache, batch.slot_mapping)
+        else:
+            write_kv_cache(key, value, k_cache, v_cache, batch.slot_mapping)
         num_decodes = batch.num_decodes
         if batch.num_prefills == 0:
             if num_decodes == 0:

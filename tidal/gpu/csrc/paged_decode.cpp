@@ -266,11 +266,49 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
   return out;
 }
 
+// Each row's K and V [T, Hkv, D] into its cache slot (slot = block * block_size + offset): what two
+// index_copy_ calls and their views did, as one op (at decode, a layer's torch ops cost their dispatch,
+// ~10 us a layer for these six, not their copies).
+void write_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                     const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && k_cache.device().is_cpu() &&
+                  v_cache.device().is_cpu() && slot_mapping.device().is_cpu(),
+              "CPU tensors only");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, D] of the same shape");
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == k_cache.size(2) &&
+                  key.size(2) == k_cache.size(3),
+              "key and value must be [T, Hkv, D] matching the cache's heads and head_dim");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "key, value and the caches must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == key.size(0),
+              "slot_mapping must be [T] int64");
+  const at::Tensor k = key.contiguous(), v = value.contiguous(), slots = slot_mapping.contiguous();
+  const int64_t rows = k.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  const size_t row_bytes = size_t(k.size(1) * k.size(2)) * k.element_size();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t)  // all checked before any write: a bad slot leaves the cache as it was
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "row ", t, " names slot ", slot[t], " outside the cache");
+  const auto* k_src = static_cast<const char*>(k.data_ptr());
+  const auto* v_src = static_cast<const char*>(v.data_ptr());
+  auto* k_dst = static_cast<char*>(k_cache.data_ptr());
+  auto* v_dst = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < rows; ++t) {
+    std::memcpy(k_dst + slot[t] * row_bytes, k_src + t * row_bytes, row_bytes);
+    std::memcpy(v_dst + slot[t] * row_bytes, v_src + t * row_bytes, row_bytes);
+  }
+}
+
 }  // namespace
 
 static bool paged_decode_bf16_runs(int64_t head_dim) { return tidal_cpu::paged_decode_bf16_supported(head_dim); }
 
 TORCH_LIBRARY(tidal_cpu, m) {
+  m.def("write_kv_cache_(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
+        &write_kv_cache_);
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor",
         &paged_decode_attention);
