@@ -109,9 +109,8 @@ class TorchPagedAttention:
             and query.dtype == k_cache.dtype
             and query.dtype in (torch.float32, torch.bfloat16)
         ):
-            num_seqs = query.shape[0]
-            return self._cpu_decode(query, k_cache, v_cache, batch.decode_block_tables[:num_seqs],
-                                    batch.decode_seq_lens[:num_seqs], scale)
+            # the kernel reads the first len(query) tables and lengths: no slices to dispatch per layer
+            return self._cpu_decode(query, k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens, scale)
         plan = self._decode_plan(batch, k_cache.shape[1], query.device)
         num_seqs = query.shape[0]
         length = plan.blocks_per_seq * k_cache.shape[1]
