@@ -10,6 +10,7 @@ A free port is picked first. The server's log goes to a file, shown if startup f
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -26,6 +27,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_rendezvous_ports(count: int = 1) -> int:
+    """A port p with p .. p + count - 1 all free now, below Linux's ephemeral range (32768 up).
+
+    For --master-port (replica k meets at p + k). A free_port() result is ephemeral: while replica 0's
+    ranks connect to their store at p, the kernel may hand one of those connections p + 1 as its local
+    port before replica 1 binds it (seen once in CI as EADDRINUSE). Below the range no connection is
+    given these ports, as with torch.distributed's default 29500.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(20000, 32768 - count)
+        sockets = [socket.socket() for _ in range(count)]
+        try:
+            for offset, s in enumerate(sockets):
+                s.bind(("127.0.0.1", first + offset))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports below 32768")
 
 
 _METRIC_LINE = re.compile(r'^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+([-+\deE.naInf]+)$')

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hf_models import hf_greedy, load_hf_model, tokenizer_vocab_size
-from live_server import LiveServer, free_port
+from live_server import LiveServer, free_rendezvous_ports
 from tidal.gpu.engine import Engine
 from tidal.wire import AddRequest, EngineConfig, SamplingParams
 
@@ -243,7 +243,7 @@ def test_two_replicas_of_two_ranks_each_meet_at_their_own_port_and_both_serve():
 
     from cancellation.cancel_helpers import RawHttp, completion_body, unique_prompt
 
-    port = free_port()
+    port = free_rendezvous_ports(2)
     with LiveServer(*TP_FLAGS, "--data-parallel-size", "2", "--master-port", str(port)) as server:
         engines = sorted((c for c in psutil.Process(server.process.pid).children()
                           if "tidal.gpu" in " ".join(c.cmdline())), key=lambda c: c.pid)
@@ -277,7 +277,7 @@ def test_two_nodes_on_loopback_serve_restart_and_shut_down_together(served_model
 
     from cancellation.cancel_helpers import poll
 
-    port = str(free_port())
+    port = str(free_rendezvous_ports())
     node_flags = ("--model", served_model, "--tensor-parallel-size", "2", "--dtype", "float32", "--nnodes", "2",
                   "--master-addr", "127.0.0.1", "--master-port", port, "--engine-restarts", "1")
     node1_log = open(tmp_path / "node1.log", "w+")
@@ -320,7 +320,7 @@ def test_two_nodes_on_loopback_serve_restart_and_shut_down_together(served_model
 def test_a_headless_node_whose_ranks_cannot_start_gives_up_with_code_3():
     result = subprocess.run([sys.executable, "-m", "tidal", "serve", "--model", "/no/such/model",
                              "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
-                             "--master-port", str(free_port())], capture_output=True, text=True, timeout=120)
+                             "--master-port", str(free_rendezvous_ports())], capture_output=True, text=True, timeout=120)
     assert result.returncode == 3
     assert "cannot start: FileNotFoundError: no model directory '/no/such/model'" in result.stderr
     assert "ranks [1] failed and --engine-restarts 0 is used up; giving up" in result.stderr and "Traceback" not in result.stderr
