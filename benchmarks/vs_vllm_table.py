@@ -17,11 +17,12 @@ from collections import defaultdict
 
 def main(path: str) -> None:
     runs: dict[tuple[str, int], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
-    for line in open(path):
-        if line.strip():
-            row = json.loads(line)
-            side = "tidal" if row["name"].startswith("tidal") else "vllm"
-            runs[(row["model"], row["conc"])][side].append(row)
+    with open(path) as lines:
+        for line in lines:
+            if line.strip():
+                row = json.loads(line)
+                side = "tidal" if row["name"].startswith("tidal") else "vllm"
+                runs[(row["model"], row["conc"])][side].append(row)
     print("| model, concurrency | vLLM tok/s by round | tidal tok/s by round | ratio by round | **median ratio** |"
           " lowest ratio | TPOT p50 ms vLLM / tidal (medians) |")
     print("|---|---|---|---|---:|---:|---|")
@@ -30,10 +31,12 @@ def main(path: str) -> None:
         if not pairs:
             continue
         ratios = [t["tok_s"] / v["tok_s"] for v, t in pairs]
-        tpot = "%.2f / %.2f" % (statistics.median(v["tpot_p50"] for v, _ in pairs),
-                                statistics.median(t["tpot_p50"] for _, t in pairs))
-        print(f"| {model}, c={conc} | {', '.join('%.1f' % v['tok_s'] for v, _ in pairs)} "
-              f"| {', '.join('%.1f' % t['tok_s'] for _, t in pairs)} | {', '.join('%.2f' % r for r in ratios)} "
+        tpot = (f"{statistics.median(v['tpot_p50'] for v, _ in pairs):.2f} / "
+                f"{statistics.median(t['tpot_p50'] for _, t in pairs):.2f}")
+        vllm = ", ".join(f"{v['tok_s']:.1f}" for v, _ in pairs)
+        tidal = ", ".join(f"{t['tok_s']:.1f}" for _, t in pairs)
+        by_round = ", ".join(f"{r:.2f}" for r in ratios)
+        print(f"| {model}, c={conc} | {vllm} | {tidal} | {by_round} "
               f"| **{statistics.median(ratios):.2f}** | {min(ratios):.2f} | {tpot} |")
 
 

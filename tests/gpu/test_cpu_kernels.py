@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from crowded_threads import alone_and_crowded
 
 from tidal.gpu import cpu_kernels
 from tidal.gpu.attention import TorchPagedAttention, write_kv_cache
@@ -155,15 +156,8 @@ def test_threads_that_take_over_sequences_give_the_one_thread_result(kernel, dty
     # csrc/claims.h (bf16 path): with four times more threads than cores, threads are preempted and the
     # others take over their last sequences; each sequence is still attended exactly once
     case = make_case([3, 17, 64, 100, 250, 1, 40, 9] * 3, 4, 2, 64, 16, dtype, seed=9)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = kernel(*case[:5], 0.125)
-        torch.set_num_threads(4 * max(2, os.cpu_count() or 2))
-        for _ in range(20):
-            assert torch.equal(kernel(*case[:5], 0.125), alone)
-    finally:
-        torch.set_num_threads(threads)
+    alone, crowded = alone_and_crowded(lambda: kernel(*case[:5], 0.125))
+    assert all(torch.equal(out, alone) for out in crowded)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

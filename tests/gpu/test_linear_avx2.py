@@ -4,11 +4,10 @@ prefill row counts; and Linear packs a float32 weight for it only when asked to 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from crowded_threads import alone_and_crowded
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -105,12 +104,5 @@ def test_threads_that_take_over_work_give_the_one_thread_result(ops, m, n, k):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(m, k, generator=gen)
     packed = pack_avx2_weight((torch.randn(n, k, generator=gen) / k**0.5).bfloat16())
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = ops.linear_avx2(x, packed, n, None)
-        torch.set_num_threads(4 * max(2, os.cpu_count() or 2))
-        for _ in range(20):
-            assert torch.equal(ops.linear_avx2(x, packed, n, None), alone)
-    finally:
-        torch.set_num_threads(threads)
+    alone, crowded = alone_and_crowded(lambda: ops.linear_avx2(x, packed, n, None))
+    assert all(torch.equal(out, alone) for out in crowded)

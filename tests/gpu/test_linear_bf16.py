@@ -4,11 +4,10 @@ on CPUs that have the instructions."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from crowded_threads import alone_and_crowded
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,15 +70,8 @@ def test_threads_that_take_over_work_give_the_one_thread_result(ops, m, n, k):
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(m, k, generator=gen).bfloat16()
     packed = pack_gemv_weight((torch.randn(n, k, generator=gen) / k**0.5).bfloat16())
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = ops.linear_bf16(x, packed, n, None)
-        torch.set_num_threads(4 * max(2, os.cpu_count() or 2))
-        for _ in range(20):
-            assert torch.equal(ops.linear_bf16(x, packed, n, None), alone)
-    finally:
-        torch.set_num_threads(threads)
+    alone, crowded = alone_and_crowded(lambda: ops.linear_bf16(x, packed, n, None))
+    assert all(torch.equal(out, alone) for out in crowded)
 
 
 def test_kernel_keeps_leading_dims_and_empty_batches(ops):
