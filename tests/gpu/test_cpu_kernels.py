@@ -177,6 +177,17 @@ def test_cache_write_op_writes_what_index_copy_writes(kernel, dtype):
     assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
 
 
+def test_cache_write_op_takes_rows_whose_heads_are_not_contiguous(kernel):
+    key = torch.randn(5, 64, 2).transpose(1, 2)  # [5, 2, 64], head_dim strided
+    value = torch.randn(5, 2, 64)
+    slots = torch.tensor([9, 0, 31, 17, 4])
+    k_cache, v_cache = torch.zeros(2, 16, 2, 64), torch.zeros(2, 16, 2, 64)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    write_kv_cache(key, value, k_expected, v_expected, slots)
+    torch.ops.tidal_cpu.write_kv_cache_(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+
+
 @pytest.mark.parametrize("bad_slot", [-1, 7 * 16])
 def test_cache_write_op_refuses_a_slot_outside_the_cache_and_writes_nothing(kernel, bad_slot):
     key, value = torch.randn(3, 2, 64), torch.randn(3, 2, 64)

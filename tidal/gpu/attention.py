@@ -71,7 +71,7 @@ class TorchPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         """Store ``key``/``value`` [T, Hkv, D] at ``batch.slot_mapping``, return attention output [T, Hq, D]."""
-        if self._cpu_write is not None and key.dtype == k_cache.dtype and key.device.type == "cpu":
+        if self._cpu_write is not None and key.dtype == k_cache.dtype:  # set only for a CPU backend
             self._cpu_write(key, value, k_cache, v_cache, batch.slot_mapping)
         else:
             write_kv_cache(key, value, k_cache, v_cache, batch.slot_mapping)

@@ -286,9 +286,15 @@ void write_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor&
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                   slot_mapping.size(0) == key.size(0),
               "slot_mapping must be [T] int64");
-  const at::Tensor k = key.contiguous(), v = value.contiguous(), slots = slot_mapping.contiguous();
+  // key and value are usually row-strided views of the qkv projection: copy from them in place when each
+  // row's heads are contiguous, rather than making a contiguous copy first
+  auto rows_of = [](const at::Tensor& x) {
+    return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+  };
+  const at::Tensor k = rows_of(key), v = rows_of(value), slots = slot_mapping.contiguous();
   const int64_t rows = k.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
   const size_t row_bytes = size_t(k.size(1) * k.size(2)) * k.element_size();
+  const size_t k_stride = size_t(k.stride(0)) * k.element_size(), v_stride = size_t(v.stride(0)) * v.element_size();
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < rows; ++t)  // all checked before any write: a bad slot leaves the cache as it was
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "row ", t, " names slot ", slot[t], " outside the cache");
@@ -297,8 +303,8 @@ void write_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor&
   auto* k_dst = static_cast<char*>(k_cache.data_ptr());
   auto* v_dst = static_cast<char*>(v_cache.data_ptr());
   for (int64_t t = 0; t < rows; ++t) {
-    std::memcpy(k_dst + slot[t] * row_bytes, k_src + t * row_bytes, row_bytes);
-    std::memcpy(v_dst + slot[t] * row_bytes, v_src + t * row_bytes, row_bytes);
+    std::memcpy(k_dst + slot[t] * row_bytes, k_src + t * k_stride, row_bytes);
+    std::memcpy(v_dst + slot[t] * row_bytes, v_src + t * v_stride, row_bytes);
   }
 }
 
