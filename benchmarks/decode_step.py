@@ -2,7 +2,7 @@
 
     python benchmarks/decode_step.py [--sizes small] [--batches 1,16] [--dtypes float32,bfloat16]
                                      [--context 128] [--steps 30] [--threads 2] [--linears onednn,gemv]
-                                     [--rounds 1] [--profile]
+                                     [--layers stack] [--rounds 1] [--profile]
 
 Loads the benchmark model (``benchmarks/models.py``) the way the engine does, builds a decode
 batch of B sequences with ``--context`` tokens already cached, and times ``model(batch)`` plus
@@ -12,7 +12,8 @@ step reads over the host's read bandwidth, measured in the same run by summing a
 (oneDNN on prepacked weights, the path before the kernel; ``TIDAL_CPU_GEMV=0``) and ``gemv`` (the
 AVX512-BF16 kernel of csrc/linear_bf16.cpp, the default where the CPU has it); float32 ``MKL`` (plain
 float32 weights) and ``avx2`` (linear weights stored in bf16, csrc/linear_avx2.cpp: the default for a bf16
-checkpoint on a CPU without native bf16). ``--rounds`` repeats
+checkpoint on a CPU without native bf16). ``--layers stack,python`` compares the decoder layers run in one C++ call (csrc/decoder_stack.cpp, the default
+where every linear is a tidal kernel) with the Python layers (``TIDAL_CPU_STACK=0``). ``--rounds`` repeats
 every row, interleaved, so a noisy host shows as spread, not as a difference.
 ``--profile`` prints torch.profiler's top operators for the last configuration.
 """
@@ -81,6 +82,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--linears", default="onednn,gemv",
                     help="the linear kernels to compare: bf16 onednn,gemv; float32 MKL,avx2 (bf16-stored weights)")
+    ap.add_argument("--layers", default="stack",
+                    help="stack,python: the layers in one C++ call and/or from Python (gemv and avx2 linears)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -105,12 +108,16 @@ def main() -> None:
             kinds = ("onednn", "gemv") if dtype == torch.bfloat16 else ("MKL", "avx2")
             for linears in [name for name in args.linears.split(",") if name in kinds] or [kinds[0]]:
                 layers.USE_GEMV = linears in ("gemv", "avx2")
-                model, config = load_model(model_dir, dtype, torch.device("cpu"), TorchPagedAttention("cpu"),
-                                           linear_weights=torch.bfloat16 if linears == "avx2" else None)
-                if linears == "gemv" and not any(getattr(m, "gemv_packed", None) is not None for m in model.modules()):
-                    print(f"({size}: no AVX512-BF16 kernel on this CPU, gemv row skipped)")
-                    continue
-                models[linears] = model
+                choices = args.layers.split(",") if layers.USE_GEMV else ["python"]
+                for choice in choices:
+                    os.environ["TIDAL_CPU_STACK"] = "0" if choice == "python" else "1"
+                    model, config = load_model(model_dir, dtype, torch.device("cpu"), TorchPagedAttention("cpu"),
+                                               linear_weights=torch.bfloat16 if linears == "avx2" else None)
+                    if linears == "gemv" and not any(getattr(m, "gemv_packed", None) is not None
+                                                     for m in model.modules()):
+                        print(f"({size}: no AVX512-BF16 kernel on this CPU, gemv row skipped)")
+                        break
+                    models[linears if len(choices) == 1 else f"{linears}, {choice}"] = model
             # weights a decode step reads: all but the embedding table (one row each), unless tied
             weights = sum(t.numel() for n, t in iter_safetensors(model_dir)
                           if n != "model.embed_tokens.weight" or config.tie_word_embeddings)
@@ -122,7 +129,7 @@ def main() -> None:
                 fb = decode_batch(batch, args.context, config.vocab_size)
                 for _ in range(args.rounds):
                     for linears, model in models.items():
-                        weight_bytes = weights * (2 if linears == "avx2" else dtype.itemsize)  # avx2: bf16 linears
+                        weight_bytes = weights * (2 if linears.startswith("avx2") else dtype.itemsize)  # bf16 linears
                         def step(model=model, fb=fb, caches=caches) -> None:
                             hidden = model(fb, caches)
                             model.compute_logits(hidden[fb.logits_indices])

@@ -60,6 +60,20 @@ class TorchPagedAttention:
         self._rows_batch: ForwardBatch | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # that batch's row tables and lengths
 
+    def kernel_rows(self, batch: ForwardBatch, dtype: torch.dtype,
+                    k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where ``forward`` would write and attend every row of ``batch`` with the C++ ops alone (queries of
+        ``dtype``): each row's (block tables, lengths) as the kernel takes them; else None.
+
+        The model's one-call decoder stack (csrc/decoder_stack.cpp) runs those same ops itself.
+        """
+        if self._cpu_decode is None or k_cache.device.type != "cpu" or dtype != k_cache.dtype or dtype not in (
+                torch.float32, torch.bfloat16):
+            return None
+        if batch.num_prefills == 0:
+            return (batch.decode_block_tables, batch.decode_seq_lens) if batch.num_decodes else None
+        return self._row_plan(batch) if self._prefill_on_kernel(dtype, k_cache) else None
+
     def forward(
         self,
         query: torch.Tensor,
@@ -80,7 +94,7 @@ class TorchPagedAttention:
             if num_decodes == 0:
                 return torch.empty_like(query)
             return self._decode(query, k_cache, v_cache, batch, scale)
-        if self._prefill_on_kernel(query, k_cache):
+        if self._prefill_on_kernel(query.dtype, k_cache):
             tables, lens = self._row_plan(batch)
             return self._cpu_decode(query, k_cache, v_cache, tables, lens, scale)
         out = torch.empty_like(query)
@@ -158,12 +172,11 @@ class TorchPagedAttention:
 
     # ------------------------------------------------------------------ prefill
 
-    def _prefill_on_kernel(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    def _prefill_on_kernel(self, dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
         """Whether the decode kernel takes the prefill rows too: a bf16 cache on its AVX512-BF16 path."""
-        if self._cpu_decode is None or query.device.type != "cpu" or not (
-                query.dtype == k_cache.dtype == torch.bfloat16):
+        if self._cpu_decode is None or k_cache.device.type != "cpu" or not (dtype == k_cache.dtype == torch.bfloat16):
             return False
-        head_dim = query.shape[-1]
+        head_dim = k_cache.shape[-1]
         if head_dim not in self._rows_on_kernel:
             self._rows_on_kernel[head_dim] = bool(load_cpu_ops().paged_decode_bf16_runs(head_dim))
         return self._rows_on_kernel[head_dim]

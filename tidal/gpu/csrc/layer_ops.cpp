@@ -16,11 +16,11 @@
 #include <cstring>
 #include <type_traits>
 
+#include "ops.h"
 #include "vec8.h"
 
+namespace tidal_cpu {
 namespace {
-
-using namespace tidal_cpu;
 
 constexpr int64_t kElementsPerTask = 65536;  // below this a thread costs more than it saves
 
@@ -97,6 +97,41 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight must share a dtype");
 }
 
+// x * cos + rotate_half(x) * sin in place on every head of q [T, Hq, D] and k [T, Hk, D], with
+// cos/sin [T, D] (the "rotate half" layout of Hugging Face checkpoints).
+template <typename scalar_t>
+void rotary_heads(scalar_t* x, const Rows& xr, const scalar_t* cos, const scalar_t* sin, int64_t cs_stride) {
+  const int64_t half = xr.dim / 2, vec_end = half / kWidth * kWidth;
+  at::parallel_for(0, xr.count, grain_rows(4 * xr.dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      scalar_t* lo = x + xr.offset(r);
+      scalar_t* hi = lo + half;
+      const int64_t t = r / xr.inner;
+      const scalar_t* c = cos + t * cs_stride;
+      const scalar_t* s = sin + t * cs_stride;
+      // rounded where torch rounds: x * cos, rotate_half(x) * sin, then their sum
+      for (int64_t d = 0; d < vec_end; d += kWidth) {
+        const vec8 x1 = load8(lo + d), x2 = load8(hi + d);
+        store8(lo + d, round_as(x1 * load8(c + d), lo) + round_as(-x2 * load8(s + d), lo));
+        store8(hi + d, round_as(x2 * load8(c + half + d), lo) + round_as(x1 * load8(s + half + d), lo));
+      }
+      for (int64_t d = vec_end; d < half; ++d) {
+        const float x1 = load1(lo + d), x2 = load1(hi + d);
+        store1(lo + d, round1(x1 * load1(c + d), lo) + round1(-x2 * load1(s + d), lo));
+        store1(hi + d, round1(x2 * load1(c + half + d), lo) + round1(x1 * load1(s + half + d), lo));
+      }
+    }
+  });
+}
+
+inline vec8 silu(vec8 g) {
+  const vec8 e = exp_nonpositive(g > splat(0.f) ? -g : g);  // exp(-|g|): never overflows
+  const vec8 one = splat(1.0f);
+  return g * ((g > splat(0.f) ? one : e) / (one + e));  // sigmoid(g) = 1 / (1 + e^-g) = e^g / (1 + e^g)
+}
+
+}  // namespace
+
 // weight * rms_normalised(x) as a new contiguous tensor, the shape of x.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm_args(x, weight);
@@ -125,33 +160,6 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Te
   return out;
 }
 
-// x * cos + rotate_half(x) * sin in place on every head of q [T, Hq, D] and k [T, Hk, D], with
-// cos/sin [T, D] (the "rotate half" layout of Hugging Face checkpoints).
-template <typename scalar_t>
-void rotary_heads(scalar_t* x, const Rows& xr, const scalar_t* cos, const scalar_t* sin, int64_t cs_stride) {
-  const int64_t half = xr.dim / 2, vec_end = half / kWidth * kWidth;
-  at::parallel_for(0, xr.count, grain_rows(4 * xr.dim), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      scalar_t* lo = x + xr.offset(r);
-      scalar_t* hi = lo + half;
-      const int64_t t = r / xr.inner;
-      const scalar_t* c = cos + t * cs_stride;
-      const scalar_t* s = sin + t * cs_stride;
-      // rounded where torch rounds: x * cos, rotate_half(x) * sin, then their sum
-      for (int64_t d = 0; d < vec_end; d += kWidth) {
-        const vec8 x1 = load8(lo + d), x2 = load8(hi + d);
-        store8(lo + d, round_as(x1 * load8(c + d), lo) + round_as(-x2 * load8(s + d), lo));
-        store8(hi + d, round_as(x2 * load8(c + half + d), lo) + round_as(x1 * load8(s + half + d), lo));
-      }
-      for (int64_t d = vec_end; d < half; ++d) {
-        const float x1 = load1(lo + d), x2 = load1(hi + d);
-        store1(lo + d, round1(x1 * load1(c + d), lo) + round1(-x2 * load1(s + d), lo));
-        store1(hi + d, round1(x2 * load1(c + half + d), lo) + round1(x1 * load1(s + half + d), lo));
-      }
-    }
-  });
-}
-
 void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
               "q and k must be [T, H, D] with the same T and D");
@@ -170,12 +178,6 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tens
     rotary_heads<scalar_t>(q.data_ptr<scalar_t>(), qr, c, s, cos.stride(0));
     rotary_heads<scalar_t>(k.data_ptr<scalar_t>(), kr, c, s, cos.stride(0));
   });
-}
-
-inline vec8 silu(vec8 g) {
-  const vec8 e = exp_nonpositive(g > splat(0.f) ? -g : g);  // exp(-|g|): never overflows
-  const vec8 one = splat(1.0f);
-  return g * ((g > splat(0.f) ? one : e) / (one + e));  // sigmoid(g) = 1 / (1 + e^-g) = e^g / (1 + e^g)
 }
 
 // silu(x[:, :I]) * x[:, I:] for x [T, 2I]: the gated MLP's activation, as a new [T, I] tensor.
@@ -202,7 +204,9 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
+}  // namespace tidal_cpu
+
+using namespace tidal_cpu;
 
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);

@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include "claims.h"
+#include "ops.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #define TIDAL_AVX2_FMA 1
@@ -38,6 +39,7 @@
 #include <optional>
 #include <vector>
 
+namespace tidal_cpu {
 namespace {
 
 constexpr int64_t kGroup = 32;     // output columns per packed group: 64 bytes of bf16 per input
@@ -230,6 +232,8 @@ void run_groups(const Problem&, int64_t, int64_t, int64_t) {}
 
 #endif  // TIDAL_AVX2_FMA
 
+}  // namespace
+
 // x [..., K] float32 with a contiguous last dim; packed [ceil(N/32), K, 32] bf16 from pack_avx2_weight;
 // bias [N] float32 or None. Returns [..., N] float32, as F.linear(x, W.float(), bias) would.
 at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias) {
@@ -274,7 +278,9 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 
 bool linear_avx2_supported() { return cpu_has_avx2_fma(); }
 
-}  // namespace
+}  // namespace tidal_cpu
+
+using namespace tidal_cpu;
 
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def("linear_avx2(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &linear_avx2);

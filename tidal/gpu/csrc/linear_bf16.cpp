@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include "claims.h"
+#include "ops.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && \
     ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
@@ -37,6 +38,7 @@
 #include <optional>
 #include <vector>
 
+namespace tidal_cpu {
 namespace {
 
 constexpr int64_t kBlock = 16;      // output columns per packed block (one zmm of float32 sums)
@@ -202,6 +204,8 @@ void run_blocks(const Problem&, int64_t, int64_t, int64_t) {}
 
 #endif  // TIDAL_AVX512_BF16
 
+}  // namespace
+
 // x [..., K] bf16 with a contiguous last dim; packed [ceil(N/16), ceil(K/2), 32] bf16 from
 // pack_gemv_weight; bias [N] bf16 or None. Returns [..., N] bf16, as F.linear(x, W, bias) would.
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
@@ -246,7 +250,9 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 
 bool linear_bf16_supported() { return cpu_has_avx512_bf16(); }
 
-}  // namespace
+}  // namespace tidal_cpu
+
+using namespace tidal_cpu;
 
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def("linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &linear_bf16);

@@ -20,12 +20,12 @@
 #include <vector>
 
 #include "claims.h"
+#include "ops.h"
 #include "paged_decode_bf16.h"
 #include "vec8.h"
 
+namespace tidal_cpu {
 namespace {
-
-using namespace tidal_cpu;
 
 // q . k as eight partial lane sums; two chains hide the FMA latency.
 template <int kDim>
@@ -212,6 +212,8 @@ void decode_all(const at::Tensor& query, const at::Tensor& k_cache, const at::Te
   });
 }
 
+}  // namespace
+
 at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(query_in.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
@@ -308,7 +310,9 @@ void write_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor&
   }
 }
 
-}  // namespace
+}  // namespace tidal_cpu
+
+using namespace tidal_cpu;
 
 static bool paged_decode_bf16_runs(int64_t head_dim) { return tidal_cpu::paged_decode_bf16_supported(head_dim); }
 

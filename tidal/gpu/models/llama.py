@@ -14,6 +14,7 @@ The caller runs ``forward``/``compute_logits`` under ``torch.inference_mode()``.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 
@@ -153,6 +154,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = (Linear(config.hidden_size, config.vocab_size, False, dtype, device) if tp is None
                             else VocabParallelLMHead(config.hidden_size, self.vocab, dtype, device))
         self._packed_lm_head: Linear | None = None
+        self._decoder_stack = None  # the layers as one C++ call, once packed where it can run (_build_decoder_stack)
+        self._stack_max_rows: int | None = None  # rows up to which its linears run (None: any)
         attn = self.model.layers[0].self_attn
         self._fused_sizes = {  # this rank's sizes of the parts of the fused tensors
             "qkv_proj": (attn.q_size, attn.kv_size, attn.kv_size),
@@ -179,9 +182,22 @@ class LlamaForCausalLM(nn.Module):
             residual = vocab_parallel_embedding(batch.input_ids, self.model.embed_tokens, self.vocab, self.tp)
         cos, sin = self.rotary.cos_sin(batch.positions, residual.dtype)
         out = torch.zeros_like(residual)  # the first layer's "+ out" adds nothing
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            out, residual = layer(out, residual, cos, sin, kv_cache, batch)
+        rows = self._stack_rows(batch, residual, kv_caches)
+        if rows is not None:
+            out = self._decoder_stack.forward(residual, out, cos, sin, batch.slot_mapping, *rows,
+                                              [k for k, _ in kv_caches], [v for _, v in kv_caches])
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                out, residual = layer(out, residual, cos, sin, kv_cache, batch)
         return self.model.norm.add_norm(residual, out)
+
+    def _stack_rows(self, batch: ForwardBatch, residual: torch.Tensor, kv_caches) -> tuple | None:
+        """The rows' (block tables, lengths) when the one-call decoder stack runs this batch, else None:
+        there is a stack, its linears take this many rows, and every row attends on the C++ kernel."""
+        if self._decoder_stack is None or (self._stack_max_rows is not None
+                                           and residual.shape[0] > self._stack_max_rows):
+            return None
+        return self.model.layers[0].self_attn.attention.kernel_rows(batch, residual.dtype, kv_caches[0][0])
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] of the rows of ``forward``'s output that sample (tensor-parallel:
@@ -206,6 +222,46 @@ class LlamaForCausalLM(nn.Module):
             self._packed_lm_head = Linear.packed_from(self.model.embed_tokens, weight_dtype)
         else:
             self._packed_lm_head = self.lm_head
+        self._decoder_stack = self._build_decoder_stack()
+
+    def _build_decoder_stack(self):
+        """``torch.classes.tidal_cpu.DecoderStack`` over the packed layers (csrc/decoder_stack.cpp), or None.
+
+        It runs the same C++ ops as the layers' Python, in the same order, in one call: at decode that
+        Python cost ~0.7 ms of CPU per step of a 12-layer model whose step takes ~6.5 ms. It needs every op on its C++ kernel
+        (a CPU model with every linear packed for linear_bf16 or linear_avx2, the fused norm, rotary and
+        SiLU-and-mul, the paged attention kernel) and no tensor parallelism; ``TIDAL_CPU_STACK=0`` turns
+        it off (benchmarks compare the two).
+        """
+        if self.tp is not None or os.environ.get("TIDAL_CPU_STACK", "1") == "0":
+            return None
+        layers = self.model.layers
+        first = layers[0]
+        linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
+        avx2 = all(linear.avx2_packed is not None for linear in linears)
+        if not (avx2 or all(linear.gemv_packed is not None for linear in linears)):
+            return None
+        norms = [m for layer in layers for m in layer.modules() if isinstance(m, RMSNorm)]
+        if (any(norm._ops is None for norm in norms) or first.mlp._ops is None or self.rotary._ops is None
+                or not hasattr(first.self_attn.attention, "kernel_rows")):
+            return None
+        empty = torch.empty(0)
+        tensors = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for part in (layer.input_layernorm.weight, attn.qkv_proj, attn.o_proj, layer.post_attention_layernorm.weight,
+                         mlp.gate_up_proj, mlp.down_proj):
+                if isinstance(part, Linear):
+                    tensors += [part.avx2_packed if avx2 else part.gemv_packed,
+                                empty if part.bias is None else part.bias]
+                else:
+                    tensors.append(part)
+            tensors += [empty, empty] if attn.q_norm is None else [attn.q_norm.weight, attn.k_norm.weight]
+        attn = first.self_attn
+        shape = [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.qkv_proj.out_features,
+                 attn.o_proj.out_features, first.mlp.gate_up_proj.out_features, first.mlp.down_proj.out_features]
+        self._stack_max_rows = None if avx2 else attn.qkv_proj._gemv_rows
+        return torch.classes.tidal_cpu.DecoderStack(tensors, shape, avx2, first.input_layernorm.eps, attn.scale)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters (casting to the model dtype).

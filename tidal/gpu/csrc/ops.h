@@ -1,0 +1,29 @@
+// The C++ entry points of the CPU kernels, for callers in this library (decoder_stack.cpp) as well as
+// for torch.ops.tidal_cpu, which registers the same functions (see each file for its contract).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace tidal_cpu {
+
+// layer_ops.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps);
+void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+// linear_bf16.cpp, linear_avx2.cpp
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias);
+bool linear_bf16_supported();
+at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias);
+bool linear_avx2_supported();
+
+// paged_decode.cpp
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
+void write_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                     const at::Tensor& slot_mapping);
+
+}  // namespace tidal_cpu
