@@ -119,6 +119,8 @@ class ModelRunner:
             if logits is not None:
                 return logits
         hidden = self.model(batch, self.kv_caches)
+        if batch.logits_indices.shape[0] == hidden.shape[0]:  # every row samples (all decodes): rows in order
+            return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     def _prepare(self, entries: list[tuple[Sequence, int]]) -> ForwardBatch:
