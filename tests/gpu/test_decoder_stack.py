@@ -99,3 +99,29 @@ def test_stack_is_off_where_a_linear_has_no_kernel(hf_model_dir, monkeypatch):
     """float32 weights (an explicit --dtype float32) run MKL's linears: the Python layers, no stack."""
     model, _ = load_model(hf_model_dir("llama", seed=3, **SHAPE), torch.float32, CPU, TorchPagedAttention(CPU))
     assert model._decoder_stack is None
+
+
+def test_batches_above_the_stacks_row_limit_run_the_python_layers(hf_model_dir, monkeypatch):
+    """On an AMX CPU the linears hand calls of more than AMX_GEMV_MAX_ROWS rows to oneDNN, which the stack
+    does not drive: such batches must take the Python layers. Simulated here with a limit of one row."""
+    if not LINEARS["bf16"][2]:
+        pytest.skip("the bf16 linear cannot run on this CPU")
+    model, config, dtype = load(hf_model_dir("llama", seed=3, **SHAPE), "bf16", monkeypatch, stack=True)
+    model._stack_max_rows = 1
+    calls = python_layer_calls(monkeypatch)
+    cache = PagedCache(config)
+    cache.kv_caches = [(k.to(dtype), v.to(dtype)) for k, v in cache.kv_caches]
+    seqs = [Sequence(tokens=[0, 1013, 318]), Sequence(tokens=[0, 77, 8000])]
+
+    def layer_calls(decodes, prefills) -> int:
+        before = calls[0]
+        with torch.inference_mode():
+            model(build_batch(cache, decodes, prefills), cache.kv_caches)
+        return calls[0] - before
+
+    layer_calls([], [(seqs[0], 3), (seqs[1], 3)])
+    for seq in seqs:
+        seq.tokens.append(5)
+    assert layer_calls(seqs, []) == config.num_layers  # two rows: above the limit
+    seqs[0].tokens.append(6)
+    assert layer_calls(seqs[:1], []) == 0  # one row: the stack
