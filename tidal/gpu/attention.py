@@ -67,8 +67,7 @@ class TorchPagedAttention:
 
         The model's one-call decoder stack (csrc/decoder_stack.cpp) runs those same ops itself.
         """
-        if self._cpu_decode is None or k_cache.device.type != "cpu" or dtype != k_cache.dtype or dtype not in (
-                torch.float32, torch.bfloat16):
+        if not self._decode_on_kernel(dtype, k_cache):
             return None
         if batch.num_prefills == 0:
             return (batch.decode_block_tables, batch.decode_seq_lens) if batch.num_decodes else None
@@ -89,14 +88,14 @@ class TorchPagedAttention:
             self._cpu_write(key, value, k_cache, v_cache, batch.slot_mapping)
         else:
             write_kv_cache(key, value, k_cache, v_cache, batch.slot_mapping)
+        rows = self.kernel_rows(batch, query.dtype, k_cache)
+        if rows is not None:  # every row on the C++ kernel
+            return self._cpu_decode(query, k_cache, v_cache, *rows, scale)
         num_decodes = batch.num_decodes
         if batch.num_prefills == 0:
             if num_decodes == 0:
                 return torch.empty_like(query)
             return self._decode(query, k_cache, v_cache, batch, scale)
-        if self._prefill_on_kernel(query.dtype, k_cache):
-            tables, lens = self._row_plan(batch)
-            return self._cpu_decode(query, k_cache, v_cache, tables, lens, scale)
         out = torch.empty_like(query)
         if num_decodes:
             out[:num_decodes] = self._decode(query[:num_decodes], k_cache, v_cache, batch, scale)
@@ -117,12 +116,7 @@ class TorchPagedAttention:
     def _decode(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
     ) -> torch.Tensor:
-        if (
-            self._cpu_decode is not None
-            and query.device.type == "cpu"
-            and query.dtype == k_cache.dtype
-            and query.dtype in (torch.float32, torch.bfloat16)
-        ):
+        if self._decode_on_kernel(query.dtype, k_cache):
             # the kernel reads the first len(query) tables and lengths: no slices to dispatch per layer
             return self._cpu_decode(query, k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens, scale)
         plan = self._decode_plan(batch, k_cache.shape[1], query.device)
@@ -172,9 +166,14 @@ class TorchPagedAttention:
 
     # ------------------------------------------------------------------ prefill
 
+    def _decode_on_kernel(self, dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
+        """Whether decodes attend on the C++ kernel: a CPU cache of the queries' dtype, float32 or bf16."""
+        return (self._cpu_decode is not None and k_cache.device.type == "cpu" and dtype == k_cache.dtype
+                and dtype in (torch.float32, torch.bfloat16))
+
     def _prefill_on_kernel(self, dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
         """Whether the decode kernel takes the prefill rows too: a bf16 cache on its AVX512-BF16 path."""
-        if self._cpu_decode is None or k_cache.device.type != "cpu" or not (dtype == k_cache.dtype == torch.bfloat16):
+        if dtype != torch.bfloat16 or not self._decode_on_kernel(dtype, k_cache):
             return False
         head_dim = k_cache.shape[-1]
         if head_dim not in self._rows_on_kernel:
