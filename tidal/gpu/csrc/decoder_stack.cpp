@@ -5,7 +5,7 @@
 // costs a few microseconds of Python and dispatcher work around kernels that themselves take
 // microseconds: on the 12-layer "small" model that was ~0.7 ms of a ~6.5 ms step, on top of
 // the weight reads the step is bound by. Here the same kernels run in the same order with the same
-// arguments, called directly: the result is bitwise the Python layers' (tests/test_decoder_stack.py).
+// arguments, called directly: the result is bitwise the Python layers' (tests/gpu/test_decoder_stack.py).
 // Everything else (the embedding, rotary angles, the final norm, other devices and batches) stays in
 // Python.
 
@@ -14,7 +14,6 @@
 #include <torch/library.h>
 
 #include <optional>
-#include <utility>
 #include <vector>
 
 #include "ops.h"
@@ -35,7 +34,7 @@ struct StackLayer {
 };
 
 // The per-layer tensors, as DecoderStack's constructor takes them (an absent bias or q/k norm is an
-// empty tensor): the order of LlamaForCausalLM._stack_tensors.
+// empty tensor), in the order LlamaForCausalLM._build_decoder_stack lists them.
 enum Slot {
   kInputNorm, kQkv, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias, kQNorm, kKNorm,
   kSlotsPerLayer
