@@ -31,10 +31,24 @@ class ClientMessage(msgspec.Struct):
     type: str
     id: str | int | None = None
     endpoint: str | None = None
-    body: dict[str, Any] | None = None
+    body: Any = None  # checked in start(): not an object gets the request's own error, with its id
+
+
+class _MessageId(msgspec.Struct):
+    id: str | int | None = None
 
 
 _decode = msgspec.json.Decoder(ClientMessage).decode
+_decode_id = msgspec.json.Decoder(_MessageId).decode
+
+
+def _readable_id(raw: bytes | str) -> str | int | None:
+    """The id of a message that failed validation, where it has a valid one: the error then names the
+    request it answers (a client waiting on that id would otherwise wait forever)."""
+    try:
+        return _decode_id(raw).id
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
 _encode = msgspec.json.encode
 
 
@@ -77,7 +91,10 @@ class Connection:
                 raw = await websocket.receive()
                 try:
                     message = _decode(raw or b"")  # quart-trio hands an empty binary message over as None
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                except msgspec.ValidationError as exc:  # JSON, but not a message: answer its id if it has one
+                    await self.send(_error_message(_readable_id(raw), bad_request(f"Invalid message: {exc}")))
+                    continue
+                except msgspec.DecodeError as exc:  # not JSON (ValidationError is a DecodeError: caught first)
                     await self.send(_error_message(None, bad_request(f"Invalid message: {exc}")))
                     continue
                 except RecursionError:  # an error message, not a closed connection

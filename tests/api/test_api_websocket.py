@@ -229,6 +229,14 @@ async def test_bad_messages_get_errors_and_the_connection_stays_usable(ws_server
         error = await ws.receive()
         assert (error["id"], error["status"]) == (None, 400) and "'id'" in error["error"]["message"]
 
+        await ws.send({"type": "request", "id": 0, "endpoint": "completions", "body": []})
+        error = await ws.receive()  # a body that is not an object: the request's own error, with its id
+        assert (error["id"], error["status"]) == (0, 400) and "'body' object" in error["error"]["message"]
+
+        await ws.send({"type": "request", "id": "w", "endpoint": 5, "body": {}})
+        error = await ws.receive()  # a field of the wrong type: the id is still read back
+        assert (error["id"], error["status"]) == ("w", 400) and error["error"]["message"].startswith("Invalid message")
+
         await ws.request("e", {"prompt": "x"}, endpoint="embeddings")
         error = await ws.receive()
         assert (error["id"], error["status"], error["error"]["param"]) == ("e", 400, "endpoint")

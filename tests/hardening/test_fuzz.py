@@ -64,6 +64,7 @@ ws_messages = st.one_of(
 
 @FUZZ
 @example(message="", as_bytes=True)  # found by this test: quart-trio passes it on as None, which closed the connection
+@example(message={"type": "request", "body": [], "id": 0}, as_bytes=False)  # found by this test: the error had no id
 @given(message=ws_messages | raw_bodies(chat_bodies).map(lambda b: b.decode("utf-8", "replace")),
        as_bytes=st.booleans())
 async def test_websocket_messages(server, message, as_bytes):
