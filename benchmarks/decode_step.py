@@ -2,7 +2,7 @@
 
     python benchmarks/decode_step.py [--sizes small] [--batches 1,16] [--dtypes float32,bfloat16]
                                      [--context 128] [--steps 30] [--threads 2] [--linears onednn,gemv]
-                                     [--layers stack] [--rounds 1] [--profile]
+                                     [--layers stack] [--pages 2m] [--rounds 1] [--profile]
 
 Loads the benchmark model (``benchmarks/models.py``) the way the engine does, builds a decode
 batch of B sequences with ``--context`` tokens already cached, and times ``model(batch)`` plus
@@ -13,7 +13,9 @@ step reads over the host's read bandwidth, measured in the same run by summing a
 AVX512-BF16 kernel of csrc/linear_bf16.cpp, the default where the CPU has it); float32 ``MKL`` (plain
 float32 weights) and ``avx2`` (linear weights stored in bf16, csrc/linear_avx2.cpp: the default for a bf16
 checkpoint on a CPU without native bf16). ``--layers stack,python`` compares the decoder layers run in one C++ call (csrc/decoder_stack.cpp, the default
-where every linear is a tidal kernel) with the Python layers (``TIDAL_CPU_STACK=0``). ``--rounds`` repeats
+where every linear is a tidal kernel) with the Python layers (``TIDAL_CPU_STACK=0``). ``--pages 2m,4k`` compares the packed weights and the KV cache in 2 MiB pages (tidal/gpu/huge_pages.py, the
+default) with torch's 4 KiB pages (``TIDAL_CPU_HUGE_PAGES=0``); the bandwidth is read both ways too, and the
+table gives the step against both floors. ``--rounds`` repeats
 every row, interleaved, so a noisy host shows as spread, not as a difference.
 ``--profile`` prints torch.profiler's top operators for the last configuration.
 """
@@ -31,7 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 from models import make_model  # noqa: E402
-from tidal.gpu import layers  # noqa: E402
+from tidal.gpu import huge_pages, layers  # noqa: E402
 from tidal.gpu.attention import TorchPagedAttention  # noqa: E402
 from tidal.gpu.forward_batch import ForwardBatch  # noqa: E402
 from tidal.gpu.model_loader import iter_safetensors, load_model  # noqa: E402
@@ -39,9 +41,11 @@ from tidal.gpu.model_loader import iter_safetensors, load_model  # noqa: E402
 BLOCK_SIZE = 16
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes/s of the fastest of ``repeats`` sums over a ``gib`` GiB float32 tensor."""
-    data = torch.ones(int(gib * (1 << 30)) // 4)
+def read_bandwidth(gib: float = 1.0, repeats: int = 5, huge: bool = False) -> float:
+    """Bytes/s of the fastest of ``repeats`` sums over a ``gib`` GiB float32 tensor (``huge``: in 2 MiB
+    pages, where tidal keeps the weights, instead of torch's 4 KiB pages)."""
+    nbytes = int(gib * (1 << 30))
+    data = huge_pages.huge_page_bytes(nbytes).view(torch.float32).fill_(1) if huge else torch.ones(nbytes // 4)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -84,6 +88,8 @@ def main() -> None:
                     help="the linear kernels to compare: bf16 onednn,gemv; float32 MKL,avx2 (bf16-stored weights)")
     ap.add_argument("--layers", default="stack",
                     help="stack,python: the layers in one C++ call and/or from Python (gemv and avx2 linears)")
+    ap.add_argument("--pages", default="2m",
+                    help="2m,4k: weights and KV cache in 2 MiB pages (the default) and/or torch's 4 KiB pages")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -92,13 +98,15 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
-    bandwidth = read_bandwidth()
+    bandwidth, huge_bandwidth = read_bandwidth(), read_bandwidth(huge=True)
     flags = sorted({f for f in open("/proc/cpuinfo").read().split() if f in ("avx2", "avx512f", "avx512_bf16",
                                                                            "amx_bf16")})
     print(f"host flags: {' '.join(flags)}; torch threads {args.threads}; {args.clock} clock; read bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s; context {args.context}; load average {os.getloadavg()[0]:.2f}\n")
-    print("| model | dtype | linears | batch | step ms | weight MB | floor ms | step / floor | tok/s |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+          f"{bandwidth / 1e9:.1f} GB/s ({huge_bandwidth / 1e9:.1f} from 2 MiB pages); context {args.context}; "
+          f"load average {os.getloadavg()[0]:.2f}\n")
+    print("| model | dtype | linears | batch | step ms | weight MB | floor ms | step / floor | step / floor in "
+          "2 MiB pages | tok/s |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for size in args.sizes.split(","):
         model_dir = make_model(size, os.path.join(args.model_dir, size))
         for dtype_name in args.dtypes.split(","):
@@ -108,29 +116,41 @@ def main() -> None:
             kinds = ("onednn", "gemv") if dtype == torch.bfloat16 else ("MKL", "avx2")
             for linears in [name for name in args.linears.split(",") if name in kinds] or [kinds[0]]:
                 layers.USE_GEMV = linears in ("gemv", "avx2")
-                choices = args.layers.split(",") if layers.USE_GEMV else ["python"]
-                for choice in choices:
+                choices = [(layer_choice, pages) for layer_choice in
+                           (args.layers.split(",") if layers.USE_GEMV else ["python"])
+                           for pages in args.pages.split(",")]
+                for choice, pages in choices:
                     os.environ["TIDAL_CPU_STACK"] = "0" if choice == "python" else "1"
+                    os.environ["TIDAL_CPU_HUGE_PAGES"] = "1" if pages == "2m" else "0"
                     model, config = load_model(model_dir, dtype, torch.device("cpu"), TorchPagedAttention("cpu"),
                                                linear_weights=torch.bfloat16 if linears == "avx2" else None)
                     if linears == "gemv" and not any(getattr(m, "gemv_packed", None) is not None
                                                      for m in model.modules()):
                         print(f"({size}: no AVX512-BF16 kernel on this CPU, gemv row skipped)")
                         break
-                    models[linears if len(choices) == 1 else f"{linears}, {choice}"] = model
+                    label = ", ".join([linears] + ([choice] if "," in args.layers else [])
+                                      + ([pages] if "," in args.pages else []))
+                    models[label] = (model, pages)
+                os.environ.pop("TIDAL_CPU_HUGE_PAGES")
             # weights a decode step reads: all but the embedding table (one row each), unless tied
             weights = sum(t.numel() for n, t in iter_safetensors(model_dir)
                           if n != "model.embed_tokens.weight" or config.tie_word_embeddings)
             for batch in (int(b) for b in args.batches.split(",")):
                 num_blocks = batch * (args.context // BLOCK_SIZE + 1)
                 shape = (num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
-                caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
-                          for _ in range(config.num_layers)]
+                caches = {}  # pages -> each layer's (k, v), in the pages the engine would give them
+                for pages in args.pages.split(","):
+                    os.environ["TIDAL_CPU_HUGE_PAGES"] = "1" if pages == "2m" else "0"
+                    flat = huge_pages.zeros(shape, dtype, 2 * config.num_layers)
+                    for cache in flat:
+                        cache.copy_(torch.randn(shape))
+                    caches[pages] = list(zip(flat[::2], flat[1::2]))
+                os.environ.pop("TIDAL_CPU_HUGE_PAGES")
                 fb = decode_batch(batch, args.context, config.vocab_size)
                 for _ in range(args.rounds):
-                    for linears, model in models.items():
+                    for linears, (model, pages) in models.items():
                         weight_bytes = weights * (2 if linears.startswith("avx2") else dtype.itemsize)  # bf16 linears
-                        def step(model=model, fb=fb, caches=caches) -> None:
+                        def step(model=model, fb=fb, caches=caches[pages]) -> None:
                             hidden = model(fb, caches)
                             model.compute_logits(hidden[fb.logits_indices])
 
@@ -138,7 +158,7 @@ def main() -> None:
                         floor = weight_bytes / bandwidth
                         print(f"| {size} | {dtype_name} | {linears} | {batch} | {median * 1e3:.2f} | "
                               f"{weight_bytes / 1e6:.0f} | {floor * 1e3:.2f} | {median / floor:.2f}x | "
-                              f"{batch / median:.0f} |", flush=True)
+                              f"{median * huge_bandwidth / weight_bytes:.2f}x | {batch / median:.0f} |", flush=True)
                 if args.profile:
                     from torch.profiler import ProfilerActivity, profile
 
@@ -146,7 +166,8 @@ def main() -> None:
                         for _ in range(10):
                             step()
                     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-    print(f"\nafter the run: read bandwidth {read_bandwidth() / 1e9:.1f} GB/s, load average {os.getloadavg()[0]:.2f}")
+    print(f"\nafter the run: read bandwidth {read_bandwidth() / 1e9:.1f} GB/s ({read_bandwidth(huge=True) / 1e9:.1f} "
+          f"from 2 MiB pages), load average {os.getloadavg()[0]:.2f}")
 
 
 def time_steps(step, steps: int, clock) -> float:

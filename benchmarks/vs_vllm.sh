@@ -9,7 +9,8 @@
 # run can differ from the next by 10-20% for either server, so this runs ROUNDS rounds, each round vLLM then
 # tidal back to back per model, and appends every row to $OUT (JSON lines from side_by_side.py). Before and
 # after each model's round it prints the host's read bandwidth (the fastest of five sums over a 1 GiB float32
-# tensor on every core: the weight-read floor of a decode step is the weights' bytes over this rate) and the
+# tensor on every core, in torch's 4 KiB pages and again in 2 MiB pages, where tidal keeps its weights: the
+# weight-read floor of a decode step is the weights' bytes over this rate) and the
 # load average. Summarise with `python benchmarks/vs_vllm_table.py $OUT`.
 #
 # ISA=avx2 holds oneDNN, MKL and ATen to AVX2 in both servers (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS,
@@ -42,9 +43,13 @@ host() {
 bandwidth() {
     python3 - <<'EOF'
 import os, time, torch
-data = torch.ones((1 << 30) // 4)
-best = min((lambda t: (data.sum(), time.perf_counter() - t)[1])(time.perf_counter()) for _ in range(5))
-print(f"read bandwidth {data.numel() * 4 / best / 1e9:.1f} GB/s ({torch.get_num_threads()} threads), "
+from tidal.gpu import huge_pages
+def rate(data):
+    best = min((lambda t: (data.sum(), time.perf_counter() - t)[1])(time.perf_counter()) for _ in range(5))
+    return data.numel() * 4 / best / 1e9
+plain = rate(torch.ones((1 << 30) // 4))
+huge = rate(huge_pages.huge_page_bytes(1 << 30).view(torch.float32).fill_(1))
+print(f"read bandwidth {plain:.1f} GB/s ({huge:.1f} from 2 MiB pages; {torch.get_num_threads()} threads), "
       f"load average {os.getloadavg()[0]:.2f}", flush=True)
 EOF
 }

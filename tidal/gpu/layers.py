@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.gpu import huge_pages
+
 
 def _empty_parameter(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
@@ -180,6 +182,13 @@ class Linear(nn.Module):
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def place_kernel_weights(linears: list[Linear]) -> None:
+    """Move the weights packed for tidal's CPU kernels into huge pages (tidal/gpu/huge_pages.py): a
+    decode step streams them all, and streams faster from 2 MiB pages."""
+    huge_pages.place([(linear, name) for linear in linears for name in ("gemv_packed", "avx2_packed")
+                      if getattr(linear, name) is not None])
 
 
 def cpu_layer_ops(dtype: torch.dtype, device: torch.device | str):

@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from tidal.gpu import huge_pages
 from tidal.gpu.attention import select_attention_backend
 from tidal.gpu.cuda_graphs import CudaGraphs, capture_sizes
 from tidal.gpu.forward_batch import ForwardBatch
@@ -87,11 +88,11 @@ class ModelRunner:
                         self.num_blocks * self.block_size, self.max_model_len)
             self.max_model_len = self.num_blocks * self.block_size
         shape = (self.num_blocks, self.block_size, num_kv_heads, mc.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(mc.num_layers)
-        ]
+        if self.device.type == "cpu":  # in huge pages, like the weights: a step reads its blocks wherever they are
+            caches = huge_pages.zeros(shape, self.dtype, 2 * mc.num_layers)
+        else:
+            caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2 * mc.num_layers)]
+        self.kv_caches = list(zip(caches[::2], caches[1::2], strict=True))
         self.cuda_graphs = self._capture_cuda_graphs()
 
     def _capture_cuda_graphs(self) -> CudaGraphs | None:

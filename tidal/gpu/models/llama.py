@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.gpu.forward_batch import ForwardBatch
-from tidal.gpu.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from tidal.gpu.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, place_kernel_weights
 from tidal.gpu.model_config import ModelConfig
 from tidal.gpu.parallel_layers import (ParallelGatedMLP, VocabParallelLMHead, VocabShard, attention_projections,
                                        head_shard, vocab_parallel_embedding)
@@ -222,6 +222,7 @@ class LlamaForCausalLM(nn.Module):
             self._packed_lm_head = Linear.packed_from(self.model.embed_tokens, weight_dtype)
         else:
             self._packed_lm_head = self.lm_head
+        place_kernel_weights([m for m in self.modules() if isinstance(m, Linear)])
         self._decoder_stack = self._build_decoder_stack()
 
     def _build_decoder_stack(self):
