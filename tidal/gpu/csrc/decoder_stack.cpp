@@ -6,9 +6,12 @@
 // microseconds: on the 12-layer "small" model that was ~0.7 ms of a ~6.5 ms step, on top of
 // the weight reads the step is bound by. Here the same kernels run in the same order with the same
 // arguments, called directly: the result is bitwise the Python layers' (tests/gpu/test_decoder_stack.py).
-// Everything else (the embedding, rotary angles, the final norm, other devices and batches) stays in
-// Python.
+// The model-level ops around the layers (the embedding, the rotary angles, the final norm) run here too,
+// as the same ATen and tidal ops the Python forward calls: each Python call costs ~50-100 us at decode,
+// where the weight stream has just evicted the interpreter's and dispatcher's state from the caches.
+// Other devices and batches stay in Python.
 
+#include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -33,6 +36,9 @@ struct StackLayer {
   StackLinear qkv, o, gate_up, down;
 };
 
+// The model-level tensors, after the layers' (LlamaForCausalLM._build_decoder_stack).
+enum ModelSlot { kEmbed, kInvFreq, kFinalNorm, kModelSlots };
+
 // The per-layer tensors, as DecoderStack's constructor takes them (an absent bias or q/k norm is an
 // empty tensor), in the order LlamaForCausalLM._build_decoder_stack lists them.
 enum Slot {
@@ -46,18 +52,24 @@ std::optional<at::Tensor> present(const at::Tensor& t) {
 
 class DecoderStack : public torch::CustomClassHolder {
  public:
-  // tensors: kSlotsPerLayer per layer; shape: [num_heads, num_kv_heads, head_dim, qkv_n, o_n, gate_up_n, down_n];
+  // tensors: kSlotsPerLayer per layer, then kModelSlots; shape: [num_heads, num_kv_heads, head_dim, qkv_n, o_n,
+  // gate_up_n, down_n];
   // avx2: float32 activations on bf16-stored weights (linear_avx2) instead of bf16 throughout (linear_bf16)
   DecoderStack(std::vector<at::Tensor> tensors, std::vector<int64_t> shape, bool avx2, double eps, double scale)
       : avx2_(avx2), eps_(eps), scale_(scale) {
     TORCH_CHECK(shape.size() == 7, "shape must be [num_heads, num_kv_heads, head_dim, qkv_n, o_n, gate_up_n, down_n]");
-    TORCH_CHECK(!tensors.empty() && tensors.size() % kSlotsPerLayer == 0, "expected ", int(kSlotsPerLayer),
-                " tensors per layer, got ", tensors.size());
+    TORCH_CHECK(tensors.size() > kModelSlots && (tensors.size() - kModelSlots) % kSlotsPerLayer == 0, "expected ",
+                int(kSlotsPerLayer), " tensors per layer and ", int(kModelSlots), " for the model, got ", tensors.size());
+    const at::Tensor* model = tensors.data() + tensors.size() - kModelSlots;
+    embed_ = model[kEmbed];
+    inv_freq_ = model[kInvFreq];
+    final_norm_ = model[kFinalNorm];
+    TORCH_CHECK(inv_freq_.scalar_type() == at::kFloat && inv_freq_.dim() == 1, "inv_freq must be float32 [head_dim / 2]");
     TORCH_CHECK(avx2 ? linear_avx2_supported() : linear_bf16_supported(), "this CPU cannot run the stack's linears");
     num_heads_ = shape[0];
     num_kv_heads_ = shape[1];
     head_dim_ = shape[2];
-    for (size_t first = 0; first < tensors.size(); first += kSlotsPerLayer) {
+    for (size_t first = 0; first + kModelSlots < tensors.size(); first += kSlotsPerLayer) {
       const at::Tensor* t = tensors.data() + first;
       layers_.push_back(StackLayer{t[kInputNorm], t[kPostNorm], present(t[kQNorm]), present(t[kKNorm]),
                                    {t[kQkv], shape[3], present(t[kQkvBias])},
@@ -67,12 +79,27 @@ class DecoderStack : public torch::CustomClassHolder {
     }
   }
 
-  // Runs every layer over the rows. residual [T, hidden] is updated in place as the Python layers update
-  // it; out is the last sublayer's output before the final norm's residual add (zeros for the first
-  // layer), and the new one is returned. tables/lens: each row's block table and attended length.
-  at::Tensor forward(at::Tensor residual, at::Tensor out, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
-                     at::Tensor tables, at::Tensor lens, std::vector<at::Tensor> k_caches,
-                     std::vector<at::Tensor> v_caches) {
+  // The model's forward over the rows: embedding, every layer, final norm; returns the final-normed hidden
+  // states [T, hidden], as LlamaForCausalLM.forward does. tables/lens: each row's block table and attended
+  // length (TorchPagedAttention.kernel_rows).
+  at::Tensor forward(at::Tensor input_ids, at::Tensor positions, at::Tensor slot_mapping, at::Tensor tables,
+                     at::Tensor lens, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
+    at::Tensor residual = at::embedding(embed_, input_ids);
+    // RotaryEmbedding.cos_sin's ops: the angles in float32, cos and sin rounded to the model's dtype
+    const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq_.unsqueeze(0);
+    const at::Tensor angles = at::cat({freqs, freqs}, -1);
+    const at::Tensor cos = angles.cos().to(residual.scalar_type()), sin = angles.sin().to(residual.scalar_type());
+    at::Tensor out = layers(residual, at::zeros_like(residual), cos, sin, slot_mapping, tables, lens, k_caches, v_caches);
+    return add_rms_norm_(residual, out, final_norm_, eps_);
+  }
+
+ private:
+  // Every layer over the rows. residual [T, hidden] is updated in place as the Python layers update it;
+  // out is the last sublayer's output before the final norm's residual add (zeros for the first layer),
+  // and the new one is returned.
+  at::Tensor layers(at::Tensor& residual, at::Tensor out, const at::Tensor& cos, const at::Tensor& sin,
+                    const at::Tensor& slot_mapping, const at::Tensor& tables, const at::Tensor& lens,
+                    std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches) {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "expected ", layers_.size(),
                 " k and v caches");
     const int64_t rows = residual.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
@@ -99,12 +126,12 @@ class DecoderStack : public torch::CustomClassHolder {
     return out;
   }
 
- private:
   at::Tensor linear(const at::Tensor& x, const StackLinear& w) const {
     return avx2_ ? linear_avx2(x, w.packed, w.n, w.bias) : linear_bf16(x, w.packed, w.n, w.bias);
   }
 
   std::vector<StackLayer> layers_;
+  at::Tensor embed_, inv_freq_, final_norm_;
   bool avx2_;
   double eps_, scale_;
   int64_t num_heads_ = 0, num_kv_heads_ = 0, head_dim_ = 0;

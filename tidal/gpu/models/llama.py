@@ -176,28 +176,28 @@ class LlamaForCausalLM(nn.Module):
         ``kv_caches[i]`` is layer i's ``(k_cache, v_cache)``, each
         ``[num_blocks, block_size, num_kv_heads, head_dim]``; the batch's new K/V are written into them.
         """
+        rows = self._stack_rows(batch, kv_caches)
+        if rows is not None:  # the same ops, in one call (csrc/decoder_stack.cpp)
+            return self._decoder_stack.forward(batch.input_ids, batch.positions, batch.slot_mapping, *rows,
+                                               [k for k, _ in kv_caches], [v for _, v in kv_caches])
         if self.tp is None:
             residual = F.embedding(batch.input_ids, self.model.embed_tokens)
         else:
             residual = vocab_parallel_embedding(batch.input_ids, self.model.embed_tokens, self.vocab, self.tp)
         cos, sin = self.rotary.cos_sin(batch.positions, residual.dtype)
         out = torch.zeros_like(residual)  # the first layer's "+ out" adds nothing
-        rows = self._stack_rows(batch, residual, kv_caches)
-        if rows is not None:
-            out = self._decoder_stack.forward(residual, out, cos, sin, batch.slot_mapping, *rows,
-                                              [k for k, _ in kv_caches], [v for _, v in kv_caches])
-        else:
-            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-                out, residual = layer(out, residual, cos, sin, kv_cache, batch)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            out, residual = layer(out, residual, cos, sin, kv_cache, batch)
         return self.model.norm.add_norm(residual, out)
 
-    def _stack_rows(self, batch: ForwardBatch, residual: torch.Tensor, kv_caches) -> tuple | None:
+    def _stack_rows(self, batch: ForwardBatch, kv_caches) -> tuple | None:
         """The rows' (block tables, lengths) when the one-call decoder stack runs this batch, else None:
         there is a stack, its linears take this many rows, and every row attends on the C++ kernel."""
         if self._decoder_stack is None or (self._stack_max_rows is not None
-                                           and residual.shape[0] > self._stack_max_rows):
+                                           and batch.input_ids.shape[0] > self._stack_max_rows):
             return None
-        return self.model.layers[0].self_attn.attention.kernel_rows(batch, residual.dtype, kv_caches[0][0])
+        return self.model.layers[0].self_attn.attention.kernel_rows(batch, self.model.embed_tokens.dtype,
+                                                                    kv_caches[0][0])
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] of the rows of ``forward``'s output that sample (tensor-parallel:
@@ -258,6 +258,7 @@ class LlamaForCausalLM(nn.Module):
                 else:
                     tensors.append(part)
             tensors += [empty, empty] if attn.q_norm is None else [attn.q_norm.weight, attn.k_norm.weight]
+        tensors += [self.model.embed_tokens, self.rotary.inv_freq(torch.device("cpu")), self.model.norm.weight]
         attn = first.self_attn
         shape = [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.qkv_proj.out_features,
                  attn.o_proj.out_features, first.mlp.gate_up_proj.out_features, first.mlp.down_proj.out_features]
