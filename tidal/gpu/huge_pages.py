@@ -31,7 +31,10 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
     # whole 2 MiB pages from the aligned start (the kernel backs only those), and the slack to align it
     whole_pages = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE
     mapping = mmap.mmap(-1, whole_pages + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel built without THP refuses the advice: plain pages, as torch would give
+        pass
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start:start + nbytes]
