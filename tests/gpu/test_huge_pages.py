@@ -7,6 +7,7 @@ docs/performance.md): these tests hold the placement itself, that it changes no 
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -137,3 +138,16 @@ def test_the_engines_cpu_kv_cache_is_placed(hf_model_dir):
     assert all(not c.any() for c in caches)
     assert len({mapping_of(c.data_ptr())["range"] for c in caches}) == 1
     assert caches[0].data_ptr() % huge_pages.HUGE_PAGE == 0
+
+
+def test_a_kernel_that_refuses_the_advice_still_gets_the_tensors(monkeypatch):
+    class NoTHP(mmap.mmap):  # a kernel built without transparent huge pages: madvise fails with EINVAL
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", NoTHP)
+    owner = SimpleNamespace(weight=torch.randn(100, 7))
+    original = owner.weight.clone()
+    huge_pages.place([(owner, "weight")])
+    assert torch.equal(owner.weight, original) and owner.weight.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert all(not c.any() for c in huge_pages.zeros((3, 5), torch.float32, 2))
