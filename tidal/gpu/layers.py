@@ -309,16 +309,12 @@ class RotaryEmbedding:
         self._ops = cpu_layer_ops(dtype, device)
         self._kernels = cuda_layer_kernels(device)
 
-    def inv_freq(self, device: torch.device) -> torch.Tensor:
-        """The per-pair frequencies [head_dim // 2] (float32) on ``device``."""
-        inv_freq = self._inv_freq.get(device)
-        if inv_freq is None:
-            inv_freq = self._inv_freq[device] = self._inv_freq_cpu.to(device)
-        return inv_freq
-
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape [T, head_dim] for ``positions`` [T] (csrc/decoder_stack.cpp does the same)."""
-        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
+        """cos and sin of shape [T, head_dim] for ``positions`` [T]."""
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq[positions.device] = self._inv_freq_cpu.to(positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

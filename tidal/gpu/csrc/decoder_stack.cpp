@@ -6,10 +6,10 @@
 // microseconds: on the 12-layer "small" model that was ~0.7 ms of a ~6.5 ms step, on top of
 // the weight reads the step is bound by. Here the same kernels run in the same order with the same
 // arguments, called directly: the result is bitwise the Python layers' (tests/gpu/test_decoder_stack.py).
-// The model-level ops around the layers (the embedding, the rotary angles, the final norm) run here too,
-// as the same ATen and tidal ops the Python forward calls: each Python call costs ~50-100 us at decode,
-// where the weight stream has just evicted the interpreter's and dispatcher's state from the caches.
-// Other devices and batches stay in Python.
+// The embedding and the final norm run here too, as the same ATen and tidal ops the Python forward calls:
+// each Python call costs ~50-100 us at decode, where the weight stream has just evicted the interpreter's
+// and dispatcher's state from the caches. The rotary angles come from RotaryEmbedding.cos_sin, their one
+// owner. Other devices and batches stay in Python.
 
 #include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
@@ -37,7 +37,7 @@ struct StackLayer {
 };
 
 // The model-level tensors, after the layers' (LlamaForCausalLM._build_decoder_stack).
-enum ModelSlot { kEmbed, kInvFreq, kFinalNorm, kModelSlots };
+enum ModelSlot { kEmbed, kFinalNorm, kModelSlots };
 
 // The per-layer tensors, as DecoderStack's constructor takes them (an absent bias or q/k norm is an
 // empty tensor), in the order LlamaForCausalLM._build_decoder_stack lists them.
@@ -62,9 +62,7 @@ class DecoderStack : public torch::CustomClassHolder {
                 int(kSlotsPerLayer), " tensors per layer and ", int(kModelSlots), " for the model, got ", tensors.size());
     const at::Tensor* model = tensors.data() + tensors.size() - kModelSlots;
     embed_ = model[kEmbed];
-    inv_freq_ = model[kInvFreq];
     final_norm_ = model[kFinalNorm];
-    TORCH_CHECK(inv_freq_.scalar_type() == at::kFloat && inv_freq_.dim() == 1, "inv_freq must be float32 [head_dim / 2]");
     TORCH_CHECK(avx2 ? linear_avx2_supported() : linear_bf16_supported(), "this CPU cannot run the stack's linears");
     num_heads_ = shape[0];
     num_kv_heads_ = shape[1];
@@ -80,15 +78,11 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   // The model's forward over the rows: embedding, every layer, final norm; returns the final-normed hidden
-  // states [T, hidden], as LlamaForCausalLM.forward does. tables/lens: each row's block table and attended
-  // length (TorchPagedAttention.kernel_rows).
-  at::Tensor forward(at::Tensor input_ids, at::Tensor positions, at::Tensor slot_mapping, at::Tensor tables,
+  // states [T, hidden], as LlamaForCausalLM.forward does. cos/sin: the rows' rotary angles [T, head_dim];
+  // tables/lens: each row's block table and attended length (TorchPagedAttention.kernel_rows).
+  at::Tensor forward(at::Tensor input_ids, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping, at::Tensor tables,
                      at::Tensor lens, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
     at::Tensor residual = at::embedding(embed_, input_ids);
-    // RotaryEmbedding.cos_sin's ops: the angles in float32, cos and sin rounded to the model's dtype
-    const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq_.unsqueeze(0);
-    const at::Tensor angles = at::cat({freqs, freqs}, -1);
-    const at::Tensor cos = angles.cos().to(residual.scalar_type()), sin = angles.sin().to(residual.scalar_type());
     at::Tensor out = layers(residual, at::zeros_like(residual), cos, sin, slot_mapping, tables, lens, k_caches, v_caches);
     return add_rms_norm_(residual, out, final_norm_, eps_);
   }
@@ -131,7 +125,7 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   std::vector<StackLayer> layers_;
-  at::Tensor embed_, inv_freq_, final_norm_;
+  at::Tensor embed_, final_norm_;
   bool avx2_;
   double eps_, scale_;
   int64_t num_heads_ = 0, num_kv_heads_ = 0, head_dim_ = 0;
