@@ -49,6 +49,8 @@ def _readable_id(raw: bytes | str) -> str | int | None:
         return _decode_id(raw).id
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
+
+
 _encode = msgspec.json.encode
 
 
