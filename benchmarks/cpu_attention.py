@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tidal.gpu.attention import TorchPagedAttention  # noqa: E402
-from tidal.gpu.cpu_kernels import load_decode_kernel  # noqa: E402
+from tidal.gpu.model.attention import TorchPagedAttention# noqa: E402
+from tidal.gpu.cpu.kernels import load_decode_kernel# noqa: E402
 from tidal.gpu.forward_batch import ForwardBatch  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 64, 16

@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tidal.gpu.cpu_kernels import load_cpu_ops
+from tidal.gpu.cpu.kernels import load_cpu_ops
 
 HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 64, 16, 8192
 

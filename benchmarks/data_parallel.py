@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from tidal.router import Router
+from tidal.engines.router import Router
 from tidal.wire import EngineStats
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))

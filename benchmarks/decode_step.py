@@ -13,7 +13,7 @@ step reads over the host's read bandwidth, measured in the same run by summing a
 AVX512-BF16 kernel of csrc/linear_bf16.cpp, the default where the CPU has it); float32 ``MKL`` (plain
 float32 weights) and ``avx2`` (linear weights stored in bf16, csrc/linear_avx2.cpp: the default for a bf16
 checkpoint on a CPU without native bf16). ``--layers stack,python`` compares the decoder layers run in one C++ call (csrc/decoder_stack.cpp, the default
-where every linear is a tidal kernel) with the Python layers (``TIDAL_CPU_STACK=0``). ``--pages 2m,4k`` compares the packed weights and the KV cache in 2 MiB pages (tidal/gpu/huge_pages.py, the
+where every linear is a tidal kernel) with the Python layers (``TIDAL_CPU_STACK=0``). ``--pages 2m,4k`` compares the packed weights and the KV cache in 2 MiB pages (tidal/gpu/cpu/huge_pages.py, the
 default) with torch's 4 KiB pages (``TIDAL_CPU_HUGE_PAGES=0``); the bandwidth is read both ways too, and the
 table gives the step against both floors. ``--rounds`` repeats
 every row, interleaved, so a noisy host shows as spread, not as a difference.
@@ -33,10 +33,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 from models import make_model  # noqa: E402
-from tidal.gpu import huge_pages, layers  # noqa: E402
-from tidal.gpu.attention import TorchPagedAttention  # noqa: E402
+from tidal.gpu.cpu import huge_pages
+from tidal.gpu.model import layers# noqa: E402
+from tidal.gpu.model.attention import TorchPagedAttention# noqa: E402
 from tidal.gpu.forward_batch import ForwardBatch  # noqa: E402
-from tidal.gpu.model_loader import iter_safetensors, load_model  # noqa: E402
+from tidal.gpu.model.loader import iter_safetensors, load_model# noqa: E402
 
 BLOCK_SIZE = 16
 

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from engine_offline import make_prompts, run_tidal  # noqa: E402
 from models import make_model  # noqa: E402
-from tidal.gpu import layers  # noqa: E402
+from tidal.gpu.model import layers# noqa: E402
 from tidal.gpu.engine import Engine  # noqa: E402
 from tidal.wire import EngineConfig  # noqa: E402
 

@@ -27,9 +27,9 @@ import trio
 from frontend_rig import open_streams
 from h11._writers import ChunkedWriter
 
-from tidal.fast_send import BodyWriter
-from tidal.protocol import ChunkEncoder
-from tidal.streaming import OutputReader, SseBody
+from tidal.http.fast_send import BodyWriter
+from tidal.openai.encoding import ChunkEncoder
+from tidal.openai.streaming import OutputReader, SseBody
 from tidal.wire import (
     HEADER_SIZE,
     EngineStats,

@@ -18,8 +18,8 @@ import time
 import trio
 from frontend_rig import open_streams
 
-from tidal.protocol import ChunkEncoder
-from tidal.streaming import OutputReader, SseBody
+from tidal.openai.encoding import ChunkEncoder
+from tidal.openai.streaming import OutputReader, SseBody
 from tidal.wire import (
     HEADER_SIZE,
     EngineStats,

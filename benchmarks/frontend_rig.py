@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from tidal.config import ServerConfig
-from tidal.engine_client import EngineClient
+from tidal.engines.client import EngineClient
 from tidal.frontend import Frontend
 from tidal.metrics import Metrics
 from tidal.wire import (

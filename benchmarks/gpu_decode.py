@@ -4,7 +4,7 @@
                                     [--engine-batches 1 64 256] [--engine-steps 50]
                                     [--skip-forward] [--skip-engine] [--shape 8b|tiny] [--device cuda]
 
-The model is tidal's ``LlamaForCausalLM`` (tidal/gpu/models/llama.py) with Llama-3-8B's shape
+The model is tidal's ``LlamaForCausalLM`` (tidal/gpu/model/llama.py) with Llama-3-8B's shape
 (32 layers, hidden 4096, 32 query / 8 kv heads, intermediate 14336, vocab 128256) and random
 bf16 weights drawn on the GPU: ``ModelRunner``'s ``load_model`` is swapped for that draw, so
 no 16 GB checkpoint is written or read. The tokenizer is a word-level one with 128256 entries.
@@ -45,9 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from tidal.gpu import model_runner  # noqa: E402
 from tidal.gpu.engine import Engine  # noqa: E402
 from tidal.gpu.forward_batch import ForwardBatch  # noqa: E402
-from tidal.gpu.layers import packs_weights  # noqa: E402
-from tidal.gpu.model_config import ModelConfig  # noqa: E402
-from tidal.gpu.models import LlamaForCausalLM  # noqa: E402
+from tidal.gpu.model.layers import packs_weights# noqa: E402
+from tidal.gpu.model.config import ModelConfig# noqa: E402
+from tidal.gpu.model.registry import LlamaForCausalLM# noqa: E402
 from tidal.wire import AddRequest, EngineConfig, SamplingParams  # noqa: E402
 
 LLAMA3_8B = {
@@ -241,7 +241,7 @@ def compare_torch_layers(args, runner, num_blocks: int, block_size: int, device:
     """Graph replay with RMSNorm and rotary on their torch ops (as before the Triton kernels were
     wired into the CUDA model), side by side with the figures above."""
     from tidal.gpu.cuda_graphs import CudaGraphs
-    from tidal.gpu.layers import RMSNorm
+    from tidal.gpu.model.layers import RMSNorm
 
     model = runner.model
     with_kernels = {}

@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tidal.gpu.layers import avx2_linear_ops, pack_avx2_weight
+from tidal.gpu.model.layers import avx2_linear_ops, pack_avx2_weight
 
 COLD_BYTES = 256 << 20
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from tidal.gpu.layers import gemv_ops, pack_gemv_weight, pack_weight, packed_linear
+from tidal.gpu.model.layers import gemv_ops, pack_gemv_weight, pack_weight, packed_linear
 
 
 def per_call(fn, macs: int, clock) -> float:

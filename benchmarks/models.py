@@ -16,7 +16,7 @@ SMALL = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_
 
 
 def make_model(size: str, out_dir: str) -> str:
-    from tidal.gpu import tiny_model
+    from tidal.gpu.model import tiny_model
 
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir

@@ -63,8 +63,8 @@ def bench_logprobs(vocabs: list[int], batches: list[int], repeat: int) -> None:
     import msgspec
     from tokenizers import Tokenizer
 
-    from tidal.gpu import tiny_model
-    from tidal.token_logprobs import LogprobsFormatter, TokenTexts
+    from tidal.gpu.model import tiny_model
+    from tidal.openai.token_logprobs import LogprobsFormatter, TokenTexts
     from tidal.wire import Logprobs
 
     tok = Tokenizer.from_file(tiny_model.asset_dir() + "/tokenizer.json")
@@ -144,7 +144,7 @@ def bench_grammar_engines(batches: list[int], steps: int = 12) -> None:
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast
 
-    from tidal.gpu import tiny_model
+    from tidal.gpu.model import tiny_model
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model.asset_dir())
     vocab = tokenizer.backend_tokenizer.get_vocab_size()

@@ -9,7 +9,7 @@ import argparse
 import httpx
 import trio
 
-from tidal.ws_client import TidalWSError, open_tidal_ws
+from tidal.tools.ws_client import TidalWSError, open_tidal_ws
 
 
 async def first_model(http_url: str, api_key: str | None) -> str:

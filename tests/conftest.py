@@ -24,7 +24,7 @@ def pytest_sessionstart(session):
     waiting ~15-25 s for the first compile under a test's timeout.
     """
     try:
-        from tidal.gpu.cpu_kernels import load_decode_kernel
+        from tidal.gpu.cpu.kernels import load_decode_kernel
 
         load_decode_kernel()
     except Exception:  # the engine falls back to the torch path; its own tests report why

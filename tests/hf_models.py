@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tidal.gpu import tiny_model
+from tidal.gpu.model import tiny_model
 
 # short name -> (transformers config class name, architecture, config defaults for that family)
 ARCHITECTURES: dict[str, tuple[str, str, dict]] = {

@@ -22,7 +22,7 @@ ENGINE_ONLY = {"torch", "triton", "safetensors"}
 
 
 def package_of(path: pathlib.Path) -> str:
-    """``tidal/gpu/models/llama.py`` -> ``tidal.gpu.models`` (a package's __init__ is its own package)."""
+    """``tidal/gpu/model/llama.py`` -> ``tidal.gpu.model.registry`` (a package's __init__ is its own package)."""
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1])
 
@@ -89,7 +89,7 @@ def kernel_violations(names: set[str]) -> list[str]:
     "import trio",
     "from quart import websocket",
     "def later():\n    import hypercorn.trio",
-    "import importlib\nimportlib.import_module('tidal.engine_client')",
+    "import importlib\nimportlib.import_module('tidal.engines.client')",
     "__import__('trio')",
 ])
 def test_the_engine_check_sees_every_import_form(source):
@@ -136,7 +136,55 @@ def test_kernels_import_nothing_of_tidal():
 
 
 def test_running_the_frontend_does_not_load_torch():
-    code = ("import sys, tidal.server, tidal.cli, tidal.bench, tidal.ws_client; "
+    code = ("import sys, tidal.server, tidal.cli, tidal.tools.bench, tidal.tools.ws_client; "
             "bad = [m for m in ('torch', 'tidal.gpu', 'triton') if m in sys.modules]; print(bad); assert not bad")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """tidal's modules and the tidal modules each imports, every form counted (type-only and
+    function-local imports included)."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    return {name: {m for m in modules_of(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as the list of its modules (first repeated last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_function_local_import():
+    graph = {"a": imported_modules("import b", "x"), "b": imported_modules("def f():\n    from c import y", "x"),
+             "c": imported_modules("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a", "x")}
+    graph = {name: {m for m in names if m in graph} for name, names in graph.items()}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    graph["c"] = set()
+    assert find_cycle(graph) is None
+
+
+def test_no_import_cycles_anywhere_in_tidal():
+    assert find_cycle(import_graph()) is None

@@ -14,7 +14,7 @@ import trio.testing
 
 import tidal
 from tidal import tokenizer as tokenizer_module
-from tidal.protocol import ApiError
+from tidal.errors import ApiError
 from tidal.tokenizer import INLINE_MAX_CHARS, MAX_WAITING_PER_WORKER, TOKENIZER_QUEUE_FULL, PromptTokenizer
 
 ASSETS = os.path.join(os.path.dirname(tidal.__file__), "assets", "tidal-tiny")

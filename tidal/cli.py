@@ -226,7 +226,7 @@ def _resolve_hub_model(args: argparse.Namespace) -> None:
 
 
 def _exec_headless_node(config) -> None:
-    """Become this node's launcher of tensor-parallel ranks (``tidal.gpu.tp_worker --node``): no HTTP
+    """Become this node's launcher of tensor-parallel ranks (``tidal.gpu.parallel.worker --node``): no HTTP
     server, no tokenizer, only the ranks of each replica, until node 0 shuts them down. The engine
     config goes in as the first frame on stdin, as to an engine."""
     import os
@@ -242,7 +242,7 @@ def _exec_headless_node(config) -> None:
                                            config.engine.node_rank, config.engine.nnodes)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "tidal.gpu.tp_worker", "--node",
+    os.execv(sys.executable, [sys.executable, "-m", "tidal.gpu.parallel.worker", "--node",
                               "--replicas", str(config.data_parallel_size),
                               "--restarts", str(config.max_engine_restarts)])
 
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                              description="Start the OpenAI-compatible server (SSE and WebSocket streaming).")
     add_serve_arguments(serve_p)
     bench_p = sub.add_parser("bench", help="Load-test any OpenAI-compatible server.")
-    from tidal import bench
+    from tidal.tools import bench
 
     bench.add_arguments(bench_p)
     args, unknown = parser.parse_known_args(argv)

@@ -24,7 +24,7 @@ class ServerConfig:
     stream_stall_timeout: float = 30.0
     max_request_body_bytes: int = 16 << 20
     body_timeout: float = 60.0  # seconds to receive a whole request body; 408 after
-    max_connections: int | None = None  # None: derived from the fd limit (tidal/connections.py)
+    max_connections: int | None = None  # None: derived from the fd limit (tidal/http/connections.py)
     max_ws_requests_per_connection: int = 64
     shutdown_timeout: float = 30.0
     engine_heartbeat_interval: float = 1.0

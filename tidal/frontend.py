@@ -27,11 +27,11 @@ import time
 import trio
 
 from tidal.config import ServerConfig
-from tidal.engine_client import EngineClient
+from tidal.engines.client import EngineClient
 from tidal.lifecycle import ActiveRequest, RequestState, RequestTable
 from tidal.mailbox import Mailbox
 from tidal.metrics import Metrics
-from tidal.protocol import ApiError
+from tidal.errors import ApiError
 from tidal.wire import AddRequest, RequestOutput, SamplingParams, StepReport
 
 log = logging.getLogger("tidal.frontend")
@@ -157,7 +157,7 @@ class Frontend:
         now = trio.current_time()
         order = next(self._ids)
         victim = self._admit(priority, (priority, now, order))
-        engine = engine.pick(prompt_token_ids)  # the replica that will serve it soonest (tidal/router.py)
+        engine = engine.pick(prompt_token_ids)  # the replica that will serve it soonest (tidal/engines/router.py)
         request = ActiveRequest(
             request_id=order,
             priority=priority,

@@ -3,7 +3,7 @@
 Nursery nesting is lifetime nesting::
 
     serve()                                   root nursery
-      ReplicaSet.run                          one supervisor per engine replica (tidal/replicas.py)
+      ReplicaSet.run                          one supervisor per engine replica (tidal/engines/replicas.py)
         EngineClient.run                      engine process + writer/demux/heartbeat tasks
       hypercorn.trio.serve                    one task per connection; quart-trio one per request
       Frontend.watch_stalls                   slow-client watchdog
@@ -30,15 +30,16 @@ import hypercorn.trio
 import trio
 from prometheus_client import Counter, Gauge
 
-from tidal.api import Api, create_app
-from tidal import connections, fast_send
+from tidal.openai.service import Api
+from tidal.http.routes import create_app
+from tidal.http import connections, fast_send
 from tidal.config import ServerConfig
-from tidal.engine_client import EngineClient, EngineDead, channel_capacity
-from tidal.completion_route import completion_routes
+from tidal.engines.client import EngineClient, EngineDead, channel_capacity
+from tidal.http.completion_route import completion_routes
 from tidal.frontend import Frontend, request_scope_middleware
 from tidal.metrics import Metrics
-from tidal.replicas import ReplicaSet, replica_config
-from tidal.router import Router
+from tidal.engines.replicas import ReplicaSet, replica_config
+from tidal.engines.router import Router
 from tidal.server_state import ServerState
 from tidal.tokenizer import PromptTokenizer
 from tidal.ui import register_state, register_ui

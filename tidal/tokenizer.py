@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from tidal.protocol import ApiError, bad_request
+from tidal.errors import ApiError, bad_request
 
 log = logging.getLogger("tidal.tokenizer")
 

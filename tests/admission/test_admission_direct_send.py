@@ -20,12 +20,12 @@ import trio.testing
 from h11._writers import ChunkedWriter
 
 from tidal.config import ServerConfig
-from tidal.engine_client import EngineClient
-from tidal.fast_send import BodyWriter
+from tidal.engines.client import EngineClient
+from tidal.http.fast_send import BodyWriter
 from tidal.frontend import Frontend
 from tidal.metrics import Metrics
-from tidal.protocol import ChunkEncoder, sse
-from tidal.streaming import OutputReader, SseBody
+from tidal.openai.encoding import ChunkEncoder, sse
+from tidal.openai.streaming import OutputReader, SseBody
 from tidal.wire import EngineConfig, EngineStats, RequestOutput, SamplingParams, StepReport
 
 

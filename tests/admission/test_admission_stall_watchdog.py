@@ -15,7 +15,7 @@ from tidal.config import ServerConfig
 from tidal.frontend import Frontend
 from tidal.lifecycle import RequestState
 from tidal.metrics import Metrics
-from tidal.protocol import ApiError
+from tidal.errors import ApiError
 from tidal.wire import EngineConfig, EngineStats, RequestOutput, SamplingParams, StepReport
 
 TIMEOUT = 2.0

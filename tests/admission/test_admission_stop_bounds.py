@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from admission_clients import PROMPT, async_client, completion_body, metrics_async, stream
-from tidal.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from tidal.openai.requests import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 
 # this module's server; conftest.py starts it alongside the other modules' servers

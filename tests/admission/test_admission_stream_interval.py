@@ -13,7 +13,7 @@ import math
 import trio
 
 from admission_clients import async_client, completion_body, metrics_async, stream
-from tidal.ws_client import open_tidal_ws
+from tidal.tools.ws_client import open_tidal_ws
 
 SERVER_INTERVAL = 4
 N = 13  # tokens per request: not a multiple of any interval tested but 1 and 13

@@ -261,7 +261,7 @@ def _same_answer_shape(answer: httpx.Response) -> tuple:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_chunked_body_is_answered_like_one_with_a_content_length(http, stream):
-    """A body with a Content-Length is served by ``tidal.completion_route``, a chunked one by
+    """A body with a Content-Length is served by ``tidal.http.completion_route``, a chunked one by
     quart's route: same status, headers and answer (greedy, so the text is the same too)."""
     body = chat_body(max_tokens=5, temperature=0, stream=stream, stream_options={"include_usage": True}
                      if stream else None)

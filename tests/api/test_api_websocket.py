@@ -1,4 +1,4 @@
-"""The WebSocket endpoint ``/v1/ws`` end to end, with ``tidal.ws_client`` and raw trio-websocket.
+"""The WebSocket endpoint ``/v1/ws`` end to end, with ``tidal.tools.ws_client`` and raw trio-websocket.
 
 Most tests use ``ws_server``: every engine step lasts >= 50 ms and three requests run at once
 with one more queued, so a test can act while streams are mid-flight and can fill the queue.
@@ -17,7 +17,7 @@ import pytest
 import trio
 import trio_websocket
 
-from tidal.ws_client import TidalWSError, open_tidal_ws
+from tidal.tools.ws_client import TidalWSError, open_tidal_ws
 
 from .support import API_KEY, AUTH, SERVED_MODEL
 

@@ -14,12 +14,12 @@ import pytest
 import trio
 
 from tidal.config import ServerConfig
-from tidal.engine_client import EngineClient
+from tidal.engines.client import EngineClient
 from tidal.frontend import Frontend
 from tidal.lifecycle import ActiveRequest, IllegalTransition, RequestState
 from tidal.mailbox import Mailbox
 from tidal.metrics import Metrics
-from tidal.protocol import ApiError
+from tidal.errors import ApiError
 from tidal.wire import AbortRequests, AddRequest, EngineConfig, EngineStats, RequestOutput, SamplingParams, StepReport
 
 Q, RUN, FIN, ABT, REJ = (RequestState.QUEUED, RequestState.RUNNING, RequestState.FINISHED, RequestState.ABORTED,

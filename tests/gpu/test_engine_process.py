@@ -12,7 +12,7 @@ import time
 import pytest
 import trio
 
-from tidal.engine_client import EngineClient, EngineDead
+from tidal.engines.client import EngineClient, EngineDead
 from tidal.wire import (
     AbortRequests,
     AddRequest,

@@ -1,7 +1,7 @@
 """StopMatcher against a naive reference, and the cost of stop strings at the request bounds.
 
 Small alphabets make stop strings overlap themselves and each other (the cases a matcher
-gets wrong); the cost tests use the documented bounds of tidal.protocol."""
+gets wrong); the cost tests use the documented bounds of tidal.openai.requests."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tidal.gpu.detokenizer import IncrementalDetokenizer
 from tidal.gpu.stop_strings import StopMatcher
-from tidal.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from tidal.openai.requests import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 stop_sets = st.lists(st.text("ab", min_size=1, max_size=6), min_size=1, max_size=4).map(tuple)
 chunks = st.lists(st.text("abc", max_size=5), max_size=20)

@@ -1,4 +1,4 @@
-"""hypercorn's keep-alive timeout with ``tidal.connections.KeepAliveTimer`` (one timer task per
+"""hypercorn's keep-alive timeout with ``tidal.http.connections.KeepAliveTimer`` (one timer task per
 connection instead of one per idle period): an idle connection is closed after
 ``keep_alive_timeout``, a connection in use or one whose request outlasts the timeout is not, and
 a worker that shuts down closes idle connections at once and busy ones once their response is out.
@@ -16,7 +16,7 @@ import hypercorn.trio
 import psutil
 import trio
 
-from tidal import connections
+from tidal.http import connections
 
 KEEP_ALIVE = 0.4
 

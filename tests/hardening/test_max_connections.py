@@ -104,7 +104,7 @@ def test_the_default_bound_comes_from_the_fd_limit():
     import argparse
     import resource
 
-    from tidal import connections
+    from tidal.http import connections
     from tidal.cli import add_serve_arguments, server_config
 
     fd_limit = connections.raise_fd_limit()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tidal.kernels
-from tidal.gpu.layers import RMSNorm, RotaryEmbedding
+from tidal.gpu.model.layers import RMSNorm, RotaryEmbedding
 
 
 def _layers(cls, *args):

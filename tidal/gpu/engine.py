@@ -41,7 +41,7 @@ from tidal.gpu.model_runner import ModelRunner
 from tidal.gpu.sampler import Sampler, SamplingBatch, make_generator
 from tidal.gpu.scheduler import ScheduledBatch, Scheduler
 from tidal.gpu.sequence import Sequence, SequenceStatus
-from tidal.gpu.synthetic_model import SyntheticModel
+from tidal.gpu.model.synthetic_model import SyntheticModel
 from tidal.wire import (AddRequest, EngineConfig, EngineStats, FinishReason, Logprobs, Ready, RequestOutput,
                         StepReport)
 

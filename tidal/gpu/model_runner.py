@@ -2,7 +2,7 @@
 
 The only engine module that touches torch tensors on the hot path besides the model and
 the sampler. The attention backend (torch on CPU, Triton kernels on CUDA) is chosen once,
-in ``tidal.gpu.attention.select_attention_backend``. On CUDA with the Triton kernels, decode-only
+in ``tidal.gpu.model.attention.select_attention_backend``. On CUDA with the Triton kernels, decode-only
 steps replay CUDA graphs captured here at start (``tidal.gpu.cuda_graphs``; ``--enforce-eager``
 turns them off).
 """
@@ -15,15 +15,15 @@ import logging
 
 import torch
 
-from tidal.gpu import huge_pages
-from tidal.gpu.attention import select_attention_backend
+from tidal.gpu.cpu import huge_pages
+from tidal.gpu.model.attention import select_attention_backend
 from tidal.gpu.cuda_graphs import CudaGraphs, capture_sizes
 from tidal.gpu.forward_batch import ForwardBatch
-from tidal.gpu.model_config import ModelConfig
-from tidal.gpu.model_loader import checkpoint_weight_dtype, load_model, resolve_model_dir
-from tidal.gpu.precision import resolve_precision
+from tidal.gpu.model.config import ModelConfig
+from tidal.gpu.model.loader import checkpoint_weight_dtype, load_model, resolve_model_dir
+from tidal.gpu.model.precision import resolve_precision
 from tidal.gpu.sequence import Sequence
-from tidal.gpu.synthetic_model import SYNTHETIC_MODEL_NAME, SyntheticModel
+from tidal.gpu.model.synthetic_model import SYNTHETIC_MODEL_NAME, SyntheticModel
 from tidal.wire import EngineConfig
 
 log = logging.getLogger("tidal.engine")
@@ -52,7 +52,7 @@ class ModelRunner:
         self.dtype, self.linear_weights, self.dtype_reason = precision.dtype, precision.linear_weights, precision.reason
         self.tp = None  # this rank's parallel.TensorParallel, with --tensor-parallel-size > 1
         if config.tensor_parallel_size > 1:
-            from tidal.gpu.parallel import join_group
+            from tidal.gpu.parallel.group import join_group
 
             self.tp = join_group(config, tp_rank, self.model_dir, self.dtype, self.device)
             self.dtype, config = self.tp.dtype, self.tp.config  # rank 0's: every rank computes alike
@@ -99,7 +99,7 @@ class ModelRunner:
         """Decode graphs on CUDA with the Triton kernels (the torch backend's decode plan reads
         lengths on the host, so it cannot be captured), unless ``--enforce-eager``.
 
-        Not with tensor parallelism (a ``tp`` group, tidal/gpu/parallel.py): every rank would have
+        Not with tensor parallelism (a ``tp`` group, tidal/gpu/parallel/group.py): every rank would have
         to replay the same padded size for the collectives to match, and that is untested on GPUs.
         """
         if (self.device.type != "cuda" or self.config.enforce_eager or self.attention.name != "triton"

@@ -301,7 +301,7 @@ def _cpu_draw(logits: torch.Tensor):
     less CPU at 8192 tokens per row."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
         return None
-    from tidal.gpu.cpu_kernels import load_cpu_ops
+    from tidal.gpu.cpu.kernels import load_cpu_ops
 
     ops = load_cpu_ops()
     return None if ops is None else ops.categorical_sample

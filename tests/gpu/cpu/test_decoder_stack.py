@@ -1,0 +1,127 @@
+"""The one-call decoder stack (csrc/decoder_stack.cpp) computes what the Python layers compute, bit for bit.
+
+A model with the stack and the same model loaded with ``TIDAL_CPU_STACK=0`` run the same steps (a prefill,
+a prefill beside a decode, then decodes) on their own caches: every step's logits and, at the end, every
+cache block must be equal, and the decode steps must not run the Python layers at all. Covered for each
+architecture switch the stack reads (q/k/v bias and tied embeddings: qwen2; q/k norms: qwen3) and for both
+linears it drives (bf16 on AVX512-BF16; float32 on bf16-stored weights, the AVX2 path).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_batch import PagedCache, Sequence, build_batch
+from tidal.gpu.model.attention import TorchPagedAttention
+from tidal.gpu.model.layers import avx2_linear_ops, gemv_ops
+from tidal.gpu.model.loader import load_model
+from tidal.gpu.model.llama import LlamaDecoderLayer
+
+CPU = torch.device("cpu")
+# head_dim 32: the bf16 attention kernel's own path, which takes prefill rows too (so mixed steps use the stack)
+SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=192)
+
+LINEARS = {
+    "bf16": (torch.bfloat16, None, gemv_ops(torch.bfloat16, CPU) is not None),
+    "avx2": (torch.float32, torch.bfloat16, avx2_linear_ops(CPU) is not None),
+}
+
+
+def load(model_dir: str, linears: str, monkeypatch, stack: bool):
+    dtype, linear_weights, _ = LINEARS[linears]
+    with monkeypatch.context() as env:
+        env.setenv("TIDAL_CPU_STACK", "1" if stack else "0")
+        model, config = load_model(model_dir, dtype, CPU, TorchPagedAttention(CPU), linear_weights=linear_weights)
+    return model, config, dtype
+
+
+def python_layer_calls(monkeypatch) -> list[int]:
+    """A counter of LlamaDecoderLayer.forward calls (the Python layers)."""
+    calls = [0]
+    forward = LlamaDecoderLayer.forward
+
+    def counted(self, *args):
+        calls[0] += 1
+        return forward(self, *args)
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("linears", list(LINEARS))
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_stack_matches_the_python_layers_bit_for_bit(hf_model_dir, monkeypatch, arch, linears):
+    if not LINEARS[linears][2]:
+        pytest.skip(f"the {linears} linear cannot run on this CPU")
+    model_dir = hf_model_dir(arch, seed=3, **SHAPE)
+    with_stack, config, dtype = load(model_dir, linears, monkeypatch, stack=True)
+    without, _, _ = load(model_dir, linears, monkeypatch, stack=False)
+    assert with_stack._decoder_stack is not None and without._decoder_stack is None
+    calls = python_layer_calls(monkeypatch)
+
+    caches = [PagedCache(config), PagedCache(config)]
+    for cache in caches:
+        cache.kv_caches = [(k.to(dtype), v.to(dtype)) for k, v in cache.kv_caches]
+    first = [[Sequence(tokens=[0, 1013, 318, 2047, 57, 4000, 911])] for _ in caches]
+    second = [[Sequence(tokens=[0, 77, 8000, 12, 333])] for _ in caches]
+
+    def step(model, cache, decodes, prefills):
+        with torch.inference_mode():
+            return model.compute_logits(model(build_batch(cache, decodes, prefills), cache.kv_caches))
+
+    def both(make_step, decode_only: bool) -> None:
+        logits, layer_calls = [], []
+        for i, (model, cache) in enumerate([(with_stack, caches[0]), (without, caches[1])]):
+            before = calls[0]
+            logits.append(step(model, cache, *make_step(i)))
+            layer_calls.append(calls[0] - before)
+        assert layer_calls[1] == config.num_layers  # the model without the stack runs its Python layers
+        if decode_only:
+            assert layer_calls[0] == 0  # the one with it runs none of them at decode
+        assert torch.equal(logits[0], logits[1])
+
+    both(lambda i: ([], [(first[i][0], 7)]), decode_only=False)
+    for i in range(2):
+        first[i][0].tokens.append(42)
+    both(lambda i: ([first[i][0]], [(second[i][0], 5)]), decode_only=False)
+    for token in (5, 600, 7000, 31):
+        for i in range(2):
+            first[i][0].tokens.append(token)
+            second[i][0].tokens.append(token + 1)
+        both(lambda i: ([first[i][0], second[i][0]], []), decode_only=True)
+
+    for (k0, v0), (k1, v1) in zip(caches[0].kv_caches, caches[1].kv_caches, strict=True):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+
+
+def test_stack_is_off_where_a_linear_has_no_kernel(hf_model_dir, monkeypatch):
+    """float32 weights (an explicit --dtype float32) run MKL's linears: the Python layers, no stack."""
+    model, _ = load_model(hf_model_dir("llama", seed=3, **SHAPE), torch.float32, CPU, TorchPagedAttention(CPU))
+    assert model._decoder_stack is None
+
+
+def test_batches_above_the_stacks_row_limit_run_the_python_layers(hf_model_dir, monkeypatch):
+    """On an AMX CPU the linears hand calls of more than AMX_GEMV_MAX_ROWS rows to oneDNN, which the stack
+    does not drive: such batches must take the Python layers. Simulated here with a limit of one row."""
+    if not LINEARS["bf16"][2]:
+        pytest.skip("the bf16 linear cannot run on this CPU")
+    model, config, dtype = load(hf_model_dir("llama", seed=3, **SHAPE), "bf16", monkeypatch, stack=True)
+    model._stack_max_rows = 1
+    calls = python_layer_calls(monkeypatch)
+    cache = PagedCache(config)
+    cache.kv_caches = [(k.to(dtype), v.to(dtype)) for k, v in cache.kv_caches]
+    seqs = [Sequence(tokens=[0, 1013, 318]), Sequence(tokens=[0, 77, 8000])]
+
+    def layer_calls(decodes, prefills) -> int:
+        before = calls[0]
+        with torch.inference_mode():
+            model(build_batch(cache, decodes, prefills), cache.kv_caches)
+        return calls[0] - before
+
+    layer_calls([], [(seqs[0], 3), (seqs[1], 3)])
+    for seq in seqs:
+        seq.tokens.append(5)
+    assert layer_calls(seqs, []) == config.num_layers  # two rows: above the limit
+    seqs[0].tokens.append(6)
+    assert layer_calls(seqs[:1], []) == 0  # one row: the stack

@@ -1,0 +1,292 @@
+"""The frontend's side of the process boundary: start, feed, read and watch the engine.
+
+Hops owned here (see docs/architecture.md):
+
+* frontend -> ``submit_nowait``/``abort_nowait`` -> bounded memory channel -> **writer task**
+  -> engine stdin pipe. Neither call awaits, so an abort issued from a cancelled scope is
+  never lost; the channel is sized so that admission bounds what can be in it.
+* engine stdout pipe -> **reader task** -> each ``StepReport`` to ``listener.on_report``
+  (the frontend, which routes outputs to requests; it never waits on a handler).
+* **heartbeat task**: a Ping answered by the engine's step loop itself; no answer within
+  the heartbeat timeout means the engine is hung, and EOF on the pipe means it died.
+  Either way ``listener.on_engine_dead`` is told at once and ``run`` raises ``EngineDead``.
+
+Transport only: this module knows no requests. Several clients (data-parallel replicas) may
+share one listener; each call names the client it comes from.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+from typing import Protocol
+
+import trio
+
+from tidal.wire import (
+    AbortRequests,
+    AddRequest,
+    EngineConfig,
+    EngineFailed,
+    EngineStats,
+    FrameSplitter,
+    Ping,
+    Pong,
+    Ready,
+    Shutdown,
+    StepReport,
+    decode_from_engine,
+    encode_frame,
+)
+
+log = logging.getLogger("tidal.engines.client")
+
+# spins before an OpenMP thread sleeps at a barrier (~10 us here); see EngineClient.run
+OMP_SPIN_COUNT = "10000"
+
+
+class EngineDead(Exception):
+    """The engine process died, hung or failed; requests in flight cannot finish."""
+
+
+class EngineStartError(EngineDead):
+    pass
+
+
+class Listener(Protocol):
+    """Who hears what the engine reports (the frontend). Called from the reader task; never awaits."""
+
+    def on_report(self, report: StepReport, engine: "EngineClient") -> None: ...
+
+    def on_engine_dead(self, engine: "EngineClient", why: str) -> None: ...
+
+
+class EngineClient:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        channel_capacity: float,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 10.0,
+        start_timeout: float = 600.0,
+    ):
+        self.config = config
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.start_timeout = start_timeout
+        self.listener: Listener | None = None
+        self.ready: Ready | None = None
+        self.stats = EngineStats()
+        self.dead: str | None = None  # why, once the engine is gone
+        self.process: trio.Process | None = None
+        self._send, self._receive = trio.open_memory_channel(channel_capacity)
+        self._nonces = itertools.count(1)
+        self._pongs: dict[int, trio.Event] = {}
+        self._last_pong_time = 0.0
+
+    # ------------------------------------------------------------------ requests
+
+    def attach(self, listener: Listener) -> None:
+        """Send every report (and the news of the engine's death) to ``listener`` from now on."""
+        self.listener = listener
+
+    def pick(self, prompt_token_ids: list[int]) -> "EngineClient":
+        """The engine that serves a request: this one (``tidal.engines.replicas.ReplicaSet`` picks among several)."""
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        return self
+
+    def submit_nowait(self, message: AddRequest) -> None:
+        """Queue the request for the engine. Never blocks."""
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        self._send.send_nowait(message)
+
+    def abort_nowait(self, request_id: int) -> None:
+        """Tell the engine to free the request. Never blocks; no-op once the engine is gone.
+
+        The caller sends it at most once per request, and only while the engine may still
+        hold it (the lifecycle table knows).
+        """
+        if self.dead is None:
+            self._send.send_nowait(AbortRequests([request_id]))
+
+    async def ping(self, timeout: float) -> EngineStats | None:
+        """Round trip through the engine's step loop; None if it does not answer in time."""
+        if self.dead is not None:
+            return None
+        nonce = next(self._nonces)
+        event = self._pongs[nonce] = trio.Event()
+        try:
+            self._send.send_nowait(Ping(nonce))
+            with trio.move_on_after(timeout):
+                await event.wait()
+                return self.stats
+            return None
+        except trio.WouldBlock:
+            return None
+        finally:
+            self._pongs.pop(nonce, None)
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready is not None and self.dead is None
+
+    # ------------------------------------------------------------------ lifetime
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Start the engine process, report Ready via ``task_status``, serve until cancelled.
+
+        On cancellation the engine is told to shut down and reaped. Raises ``EngineDead``
+        if the engine exits, hangs or fails on its own.
+        """
+        env = dict(os.environ)
+        # OpenMP threads wait at each kernel's end: sleeping at once costs a futex wake per
+        # parallel region (small decodes 1.25-1.4x slower on a quiet 2-core host), spinning for
+        # long (libgomp's default) stalls a busy host. A short spin, then sleep, keeps most of
+        # both (docs/performance.md, "OpenMP waits"); the user's own setting wins.
+        if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+            env["GOMP_SPINCOUNT"] = OMP_SPIN_COUNT
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "tidal.gpu"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            preexec_fn=_ignore_sigint,
+        )
+        self.process = process
+        try:
+            await process.stdin.send_all(encode_frame(self.config))
+            splitter = FrameSplitter()
+            with trio.fail_after(self.start_timeout):
+                self.ready, leftover = await self._read_until_ready(process, splitter)
+            log.info("engine ready (pid %d, %s, %s [%s], %d KV blocks of %d tokens, max_model_len %d)",
+                     process.pid, self.ready.device, self.ready.dtype, self.ready.dtype_reason,
+                     self.ready.num_total_blocks,
+                     self.ready.block_size, self.ready.max_model_len)
+            self._last_pong_time = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._write_loop, process)
+                nursery.start_soon(self._heartbeat_loop, process)
+                task_status.started(self.ready)
+                await self._read_loop(process, splitter, leftover)  # returns at EOF
+                nursery.cancel_scope.cancel()
+            raise EngineDead(self._fail(f"engine process exited (code {await process.wait()})"))
+        except trio.TooSlowError:
+            raise EngineStartError(self._fail(f"engine did not start within {self.start_timeout} s")) from None
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._stop_process(process)
+
+    async def _read_until_ready(self, process: trio.Process, splitter: FrameSplitter) -> tuple[Ready, list[bytes]]:
+        while True:
+            data = await process.stdout.receive_some(1 << 16)
+            if not data:
+                code = await process.wait()
+                raise EngineStartError(self._fail(f"engine process exited during startup (code {code})"))
+            bodies = splitter.feed(data)
+            for i, body in enumerate(bodies):
+                message = decode_from_engine(body)
+                if isinstance(message, Ready):
+                    return message, bodies[i + 1 :]  # the rest is the reader task's
+                if isinstance(message, EngineFailed):
+                    raise EngineStartError(self._fail(f"engine failed to start: {message.message}"))
+
+    async def _stop_process(self, process: trio.Process) -> None:
+        if process.returncode is None:
+            try:
+                await process.stdin.send_all(encode_frame(Shutdown()))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+            with trio.move_on_after(5):
+                await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+        for stream in (process.stdin, process.stdout):
+            await stream.aclose()
+
+    def _fail(self, why: str) -> str:
+        """Mark the engine dead and tell the listener (which ends every request in flight)."""
+        if self.dead is None:
+            self.dead = why
+            log.error("%s", why)
+            if self.listener is not None:
+                self.listener.on_engine_dead(self, why)
+            for event in self._pongs.values():
+                event.set()
+        return self.dead
+
+    # ------------------------------------------------------------------ tasks
+
+    async def _write_loop(self, process: trio.Process) -> None:
+        receive = self._receive
+        stdin = process.stdin
+        async for message in receive:
+            frames = [encode_frame(message)]
+            while True:  # everything already queued goes in one write
+                try:
+                    frames.append(encode_frame(receive.receive_nowait()))
+                except trio.WouldBlock:
+                    break
+            try:
+                await stdin.send_all(b"".join(frames))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # the reader task sees EOF and reports the death
+
+    async def _heartbeat_loop(self, process: trio.Process) -> None:
+        while self.dead is None:
+            await trio.sleep(self.heartbeat_interval)
+            if await self.ping(self.heartbeat_timeout) is None and self.dead is None:
+                self._fail(f"engine did not answer a heartbeat within {self.heartbeat_timeout} s")
+                process.kill()  # a hung engine is not coming back; the reader task sees EOF
+
+    async def _read_loop(self, process: trio.Process, splitter: FrameSplitter, bodies: list[bytes]) -> None:
+        # Wait, then read: one scheduling round and one read per engine report. (The stream's
+        # receive_some reads first, so every report cost a read that failed with EAGAIN, and it
+        # yields once more after the read.)
+        fd = process.stdout.fileno()
+        handle = self._handle
+        while True:
+            for body in bodies:
+                handle(decode_from_engine(body))
+            await trio.lowlevel.wait_readable(fd)
+            try:
+                data = os.read(fd, 1 << 16)  # below malloc's mmap threshold: no page faults per read
+            except BlockingIOError:
+                bodies = []
+                continue
+            except OSError:
+                return  # the pipe broke: the same as EOF
+            if not data:
+                return
+            bodies = splitter.feed(data)
+
+    def _handle(self, message) -> None:
+        if isinstance(message, StepReport):
+            self.stats = message.stats
+            if self.listener is not None:
+                self.listener.on_report(message, self)
+        elif isinstance(message, Pong):
+            self.stats = message.stats
+            event = self._pongs.get(message.nonce)
+            if event is not None:
+                event.set()
+        elif isinstance(message, EngineFailed):
+            self._fail(f"engine failed: {message.message}")
+
+
+def _ignore_sigint() -> None:
+    # Ctrl-C reaches the whole process group; the frontend decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def channel_capacity(max_in_flight: float) -> float:
+    """Each admitted request puts at most one add and one abort in the channel."""
+    return math.inf if math.isinf(max_in_flight) else 2 * int(max_in_flight) + 64

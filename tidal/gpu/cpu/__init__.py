@@ -1,0 +1,1 @@
+"""The CPU path's native parts: the C++ kernels (built on first use) and huge-page placement."""

@@ -1,0 +1,111 @@
+"""Find a model directory and load it into tidal's model classes.
+
+The engine loads local Hugging Face directories only (``config.json`` + ``model.safetensors`` or
+a sharded ``model.safetensors.index.json``): a Hub id was already turned into its local snapshot by
+the frontend (``tidal/hub.py``) before this process started, so the engine never downloads. The name
+``tidal-tiny`` is the packaged default model, whose weights are generated on load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+
+from tidal.gpu.model import tiny_model
+from tidal.gpu.model.layers import packs_weights
+from tidal.gpu.model.config import ModelConfig
+from tidal.gpu.model.registry import LlamaForCausalLM, model_class
+
+TINY_MODEL_NAME = "tidal-tiny"
+
+
+def resolve_model_dir(name: str) -> str:
+    """Map ``EngineConfig.model`` to a directory: ``tidal-tiny`` or a path to an existing directory."""
+    if name in (TINY_MODEL_NAME, "tidal-test"):  # tidal-test: tidal-tiny without a network
+        return tiny_model.asset_dir()
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        return path
+    raise FileNotFoundError(
+        f"no model directory {name!r}; give a local Hugging Face directory, a Hub id ORG/NAME "
+        f"or the built-in {TINY_MODEL_NAME!r}"
+    )
+
+
+def load_model(
+    model_dir: str, dtype: torch.dtype, device: torch.device, attention, tp=None,
+    linear_weights: torch.dtype | None = None,
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model of ``model_dir`` on ``device`` in ``dtype`` and load its weights.
+
+    With ``tp`` (tensor parallelism) the model is this rank's shard, and only its slices of the
+    checkpoint are read (``lazy`` safetensors slices). ``linear_weights=torch.bfloat16`` with a float32
+    ``dtype``: the linear weights are stored in bf16 once loaded (``precision.Precision``, the AVX2 path).
+    """
+    config = ModelConfig.from_dir(model_dir)
+    model = model_class(config)(config, attention, dtype=dtype, device=device, tp=tp)
+    if tiny_model.has_generated_weights(model_dir, config):
+        weights = tiny_model.generate_weights(config, tiny_model.special_token_ids(model_dir), config.init_seed)
+        model.load_weights(weights.items())
+    else:
+        model.load_weights(iter_safetensors(model_dir, lazy=tp is not None))
+    model.eval()
+    if packs_weights(dtype, device, linear_weights):
+        model.pack_weights(linear_weights if linear_weights != dtype else None)
+    return model, config
+
+
+def checkpoint_weight_dtype(model_dir: str) -> torch.dtype | None:
+    """The dtype the checkpoint stores its matrices in (every tensor of two or more dimensions), read
+    from the safetensors headers only; None when they differ or there is no checkpoint. Generated
+    weights (tidal-tiny) are float32."""
+    config = ModelConfig.from_dir(model_dir)
+    if tiny_model.has_generated_weights(model_dir, config):
+        return torch.float32
+    from safetensors import safe_open
+
+    dtypes = set()
+    try:
+        for path in safetensors_files(model_dir):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    tensor = f.get_slice(name)
+                    if len(tensor.get_shape()) >= 2:
+                        dtypes.add(tensor.get_dtype())
+    except FileNotFoundError:
+        return None
+    return _SAFETENSORS_DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint files: the shards listed in the index, or the single ``model.safetensors``."""
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, shard) for shard in shards]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(
+        f"no weights in {model_dir!r}: expected model.safetensors or model.safetensors.index.json"
+    )
+
+
+def iter_safetensors(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) of every checkpoint tensor, one at a time (CPU, memory-mapped).
+
+    ``lazy``: a safetensors slice instead of the tensor; indexing it reads only that part.
+    """
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, (f.get_slice(name) if lazy else f.get_tensor(name))

@@ -1,0 +1,1 @@
+"""Tensor parallelism: the process group, the sharded layers and the worker ranks."""

@@ -1,0 +1,129 @@
+"""HTTP routes (quart-trio): the OpenAI endpoints, models, health and metrics, and the error handlers.
+
+The handler decides the HTTP status before the first byte: the service (tidal/openai/service.py)
+waits for the request's first output (or for the error that ends it) and only then is the 200
+streaming response returned. Everything that can fail before that is a real status with OpenAI's
+error JSON. The hot completion routes usually never reach quart (tidal/http/completion_route.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from tidal.errors import ApiError
+from tidal.frontend import SHUTTING_DOWN
+from tidal.http.auth import auth_error
+from tidal.http.websocket import register_websocket
+from tidal.openai.service import Api, error_answer, json_answer
+
+log = logging.getLogger("tidal.http.routes")
+
+_HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+                     413: "invalid_request_error"}
+
+
+def error_response(error: ApiError) -> Response:
+    status, headers, body = error_answer(error)
+    return Response(body, status, headers)
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    status, headers, body = json_answer(obj, status)
+    return Response(body, status, headers)
+
+
+async def complete(api: Api, kind: str, body: bytes) -> Response:
+    """``Api.respond`` as quart's Response (a request ``completion_route`` left to quart)."""
+    status, headers, content = await api.respond(kind, body, request.scope)
+    return Response(content, status, headers)
+
+
+def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_render, health_check,
+               max_ws_requests: int = 64) -> QuartTrio:
+    app = QuartTrio("tidal")
+    app.config["RESPONSE_TIMEOUT"] = None  # SSE streams may run for minutes
+    app.config["BODY_TIMEOUT"] = 60
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+
+    @app.before_request
+    async def check_auth():
+        if not request.path.startswith("/v1"):
+            return None
+        error = auth_error(api_key, request.headers.get("Authorization", ""))
+        if error is not None:
+            await discard_body()
+            return error_response(error)
+        return None
+
+    async def discard_body() -> None:
+        # Answering before the body is read makes hypercorn close the connection, and a client
+        # that reuses it at that moment sees "server disconnected": read it (bounded by the
+        # body limit) so the connection stays usable.
+        try:
+            await request.get_data(cache=False)
+        except HTTPException:
+            pass  # over the limit: the connection is closed instead
+
+    async def body_bytes() -> bytes:
+        return await request.get_data(cache=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions():
+        return await complete(api, "chat", await body_bytes())
+
+    @app.post("/v1/completions")
+    async def completions():
+        return await complete(api, "completions", await body_bytes())
+
+    def model_card() -> dict[str, Any]:
+        return {"id": api.model_name, "object": "model", "created": 0, "owned_by": "tidal",
+                "max_model_len": api.max_model_len}
+
+    @app.get("/v1/models")
+    async def models():
+        return json_response({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/<path:model_id>")  # path: served names may contain "/" (org/model)
+    async def model(model_id: str):
+        if model_id != api.model_name:
+            return error_response(ApiError(404, f"The model `{model_id}` does not exist.", "not_found_error",
+                                           "model", "model_not_found"))
+        return json_response(model_card())
+
+    @app.get("/health")
+    async def health():
+        if api.frontend.draining:
+            return error_response(ApiError(503, SHUTTING_DOWN, "service_unavailable"))
+        why = await health_check()
+        if why is not None:
+            return error_response(ApiError(503, f"The engine is not healthy: {why}", "service_unavailable"))
+        return Response(b"", 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(metrics_render(), 200, {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    register_websocket(app, api, max_ws_requests,
+                       lambda headers: auth_error(api_key, headers.get("Authorization", "")))
+
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException):
+        status = error.code or 500
+        if status not in (408, 413):  # a body that timed out would only time out again
+            await discard_body()
+        message = {413: f"Request body too large (the limit is {max_body_bytes} bytes).",
+                   408: f"Request body not received within {app.config['BODY_TIMEOUT']:g} s."}.get(
+            status, error.description or error.name)
+        return error_response(ApiError(status, message, _HTTP_ERROR_TYPES.get(status, "invalid_request_error")))
+
+    @app.errorhandler(Exception)
+    async def unexpected(error: Exception):
+        log.exception("unhandled error")
+        return error_response(ApiError(500, f"Internal server error: {type(error).__name__}", "server_error"))
+
+    return app

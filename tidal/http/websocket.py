@@ -1,0 +1,162 @@
+"""The WebSocket endpoint ``/v1/ws``: many OpenAI requests multiplexed on one connection.
+
+One connection is one nursery (quart-trio cancels it when the socket closes); each request
+on it is a task with its own cancel scope, so a ``cancel`` message or a closed socket ends
+exactly the requests it should, and the connection's RequestScope aborts them in the
+engine. Requests run through the same ``Api.admit`` -> ``Api.first_output`` -> ``OutputReader``
+path as SSE (tidal/openai/service.py), so admission, queue timeouts and the slow-client bounds apply
+unchanged. Protocol: docs/websocket.md. Registered by ``routes.create_app``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import trio
+from quart import websocket
+
+from tidal.errors import NESTED_TOO_DEEPLY, ApiError, bad_request
+from tidal.http import auth
+from tidal.lifecycle import ActiveRequest
+from tidal.openai.encoding import ChunkEncoder
+from tidal.openai.service import Api
+
+_ENDPOINTS = {"chat.completions": "chat", "completions": "completions"}
+
+
+class ClientMessage(msgspec.Struct):
+    type: str
+    id: str | int | None = None
+    endpoint: str | None = None
+    body: Any = None  # checked in start(): not an object gets the request's own error, with its id
+
+
+class _MessageId(msgspec.Struct):
+    id: str | int | None = None
+
+
+_decode = msgspec.json.Decoder(ClientMessage).decode
+_decode_id = msgspec.json.Decoder(_MessageId).decode
+
+
+def _readable_id(raw: bytes | str) -> str | int | None:
+    """The id of a message that failed validation, where it has a valid one: the error then names the
+    request it answers (a client waiting on that id would otherwise wait forever)."""
+    try:
+        return _decode_id(raw).id
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+
+
+_encode = msgspec.json.encode
+
+
+def _error_message(request_id: Any, error: ApiError) -> str:
+    message = {"type": "error", "id": request_id, "status": error.status, **error.body()}
+    if "Retry-After" in error.headers:  # what the HTTP answer says in its header
+        message["retry_after"] = int(error.headers["Retry-After"])
+    return _encode(message).decode()
+
+
+def register_websocket(app, api: Api, max_requests: int, auth_error: Callable[[Any], ApiError | None]) -> None:
+    """Serve ``/v1/ws``; ``auth_error(headers)`` is the HTTP routes' API-key check."""
+
+    @app.websocket("/v1/ws")
+    async def ws_endpoint():
+        subprotocols = websocket.requested_subprotocols
+        subprotocol = auth.accepted_subprotocol(subprotocols)
+        error = auth_error({"Authorization": auth.authorization(websocket.headers, subprotocols)})
+        if error is not None:
+            await websocket.accept(subprotocol=subprotocol)
+            await websocket.send(_error_message(None, error))
+            await websocket.close(1008)
+            return
+        await websocket.accept(subprotocol=subprotocol)
+        await Connection(api, max_requests).serve()
+
+
+class Connection:
+    def __init__(self, api: "Api", max_requests: int):
+        self.api = api
+        self.max_requests = max_requests
+        self.streams: dict[Any, trio.CancelScope] = {}
+
+    async def send(self, text: str) -> None:
+        await websocket.send(text)
+
+    async def serve(self) -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                raw = await websocket.receive()
+                try:
+                    message = _decode(raw or b"")  # quart-trio hands an empty binary message over as None
+                except msgspec.ValidationError as exc:  # JSON, but not a message: answer its id if it has one
+                    await self.send(_error_message(_readable_id(raw), bad_request(f"Invalid message: {exc}")))
+                    continue
+                except msgspec.DecodeError as exc:  # not JSON (ValidationError is a DecodeError: caught first)
+                    await self.send(_error_message(None, bad_request(f"Invalid message: {exc}")))
+                    continue
+                except RecursionError:  # an error message, not a closed connection
+                    await self.send(_error_message(None, bad_request(NESTED_TOO_DEEPLY)))
+                    continue
+                if message.type == "request":
+                    await self.start(nursery, message)
+                elif message.type == "cancel":
+                    scope = self.streams.get(message.id)
+                    if scope is not None:
+                        scope.cancel()
+                else:
+                    await self.send(_error_message(message.id, bad_request(
+                        f"Unknown message type {message.type!r}: expected 'request' or 'cancel'", "type")))
+
+    async def start(self, nursery: trio.Nursery, message: ClientMessage) -> None:
+        rid = message.id
+        if rid is None or not isinstance(message.body, dict):
+            await self.send(_error_message(rid, bad_request("A request needs an 'id' and a 'body' object")))
+        elif message.endpoint not in _ENDPOINTS:
+            await self.send(_error_message(rid, bad_request(
+                f"Unknown endpoint {message.endpoint!r}: expected 'chat.completions' or 'completions'",
+                "endpoint")))
+        elif rid in self.streams:
+            await self.send(_error_message(rid, bad_request(f"Request id {rid!r} is already streaming", "id")))
+        elif len(self.streams) >= self.max_requests:
+            await self.send(_error_message(rid, ApiError(
+                429, f"Too many concurrent requests on this connection (the limit is {self.max_requests}).",
+                "rate_limit_error", None, 429)))
+        else:
+            scope = self.streams[rid] = trio.CancelScope()
+            nursery.start_soon(self.stream, rid, _ENDPOINTS[message.endpoint], message.body, scope)
+
+    async def stream(self, rid: Any, kind: str, body: dict[str, Any], scope: trio.CancelScope) -> None:
+        api = self.api
+        id_json = _encode(rid)
+        active: ActiveRequest | None = None  # once admitted, even if "cancel" comes while it is queued
+        try:
+            with scope:
+                try:
+                    active, checked = await api.admit(kind, {**body, "stream": True})
+                    reader = await api.first_output(active, checked)
+                except ApiError as error:
+                    await self.send(_error_message(rid, error))
+                    return
+                encoder = ChunkEncoder(kind, api.model_name)  # type: ignore[arg-type]
+                prefix = b'{"type":"chunk","id":' + id_json + b',"data":'
+                while not reader.done:
+                    text = await reader.next_delta()
+                    finish = reader.finish_reason
+                    if finish is None and not text:
+                        continue
+                    await self.send((prefix + encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls) + b"}").decode())
+                await self.send(_encode({"type": "done", "id": rid, "usage": reader.usage()}).decode())
+            if scope.cancelled_caught:  # the client sent "cancel"
+                if active is not None:
+                    api.frontend.close(active, "client_cancel")
+                await self.send(_encode({"type": "done", "id": rid, "usage": None, "cancelled": True}).decode())
+        except ApiError as error:  # the request ended early (slow client, engine failure)
+            await self.send(_error_message(rid, error))
+        finally:
+            self.streams.pop(rid, None)
+            if active is not None:
+                api.frontend.close(active, "client_disconnect")

@@ -1,0 +1,109 @@
+"""OpenAI's response shapes: usage, stream chunks (SSE frames or WebSocket payloads) and SSE framing.
+
+The streaming hot path builds each SSE frame from a prefix prepared once per request plus the
+JSON-encoded text, so a frame costs one small ``msgspec.json.encode`` and a bytes join.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+import msgspec
+
+_json_encode = msgspec.json.encode
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class ChunkEncoder:
+    """Builds one request's stream chunks (SSE frames or WebSocket payload objects)."""
+
+    def __init__(self, kind: Literal["chat", "completions"], model: str, index: int = 0,
+                 same_response_as: "ChunkEncoder | None" = None):
+        self.kind = kind
+        self.index = index  # the choice (n > 1); its encoders share the response's id and time
+        if same_response_as is not None:
+            self.id, self.created = same_response_as.id, same_response_as.created
+        else:
+            self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+            self.created = int(time.time())
+        self.model = model
+        head = {"id": self.id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                "created": self.created, "model": model}
+        self._head = _json_encode(head)[:-1]  # without the closing brace
+        if kind == "chat":
+            self._first = self._head + b',"choices":[{"index":%d,"delta":{"role":"assistant","content":' % index
+            self._next = self._head + b',"choices":[{"index":%d,"delta":{"content":' % index
+            self._mid = b'},"logprobs":'
+        else:
+            self._first = self._next = self._head + b',"choices":[{"index":%d,"text":' % index
+            self._mid = b',"logprobs":'
+        self._sent_first = False
+        # the SSE frame of a chunk with content only, around the JSON text (``content_frame``)
+        self._first_frame, self._next_frame = b"data: " + self._first, b"data: " + self._next
+        self._content_tail = self._mid + b'null,"finish_reason":null}]}\n\n'
+
+    def content_frame(self, text: str) -> bytes:
+        """``sse(chunk_json(text, None))`` in one step: a non-final chunk without logprobs or tool
+        calls, as the engine reader task sends one per token for a caught-up stream."""
+        prefix = self._next_frame if self._sent_first else self._first_frame
+        self._sent_first = True
+        return prefix + _json_encode(text) + self._content_tail
+
+    def chunk_json(self, text: str, finish_reason: str | None, logprobs: Any = None,
+                   tool_calls: list[dict[str, Any]] | None = None) -> bytes:
+        """One chunk as JSON bytes: the first chat chunk also carries the role."""
+        if tool_calls:
+            return self._tool_calls_chunk(text, finish_reason, logprobs, tool_calls)
+        prefix = self._next if self._sent_first else self._first
+        self._sent_first = True
+        reason = b"null" if finish_reason is None else _json_encode(finish_reason)
+        lp = b"null" if logprobs is None else _json_encode(logprobs)
+        return prefix + _json_encode(text) + self._mid + lp + b',"finish_reason":' + reason + b"}]}"
+
+    def _tool_calls_chunk(self, text: str, finish_reason: str | None, logprobs: Any,
+                          tool_calls: list[dict[str, Any]]) -> bytes:
+        """The chunk that carries a chat message's tool calls (whole: name and all arguments)."""
+        delta: dict[str, Any] = {} if self._sent_first else {"role": "assistant"}
+        self._sent_first = True
+        delta["content"] = text or None
+        delta["tool_calls"] = tool_calls
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._head + b',"choices":[' + _json_encode(choice) + b"]}"
+
+    def usage_json(self, usage_obj: dict[str, Any]) -> bytes:
+        return self._head + b',"choices":[],"usage":' + _json_encode(usage_obj) + b"}"
+
+    def full_response(self, text: str, finish_reason: str | None, usage_obj: dict[str, Any],
+                      stop_reason: str | int | None, logprobs: Any = None,
+                      tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        if self.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["content"] = text or None
+                message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in tool_calls]
+            choice = {"index": self.index, "message": message, "logprobs": logprobs,
+                      "finish_reason": finish_reason, "stop_reason": stop_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                      "stop_reason": stop_reason}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": usage_obj}
+
+
+def sse(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

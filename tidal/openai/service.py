@@ -1,0 +1,160 @@
+"""The one service path every completion request takes, HTTP or WebSocket: admit -> first output -> answer.
+
+``Api.admit`` parses, validates, tokenises and opens the request; ``Api.first_output`` waits for
+the engine's first output (or the error that ended it) so the status is known before any byte;
+``Api.respond`` turns the rest into an answer (bytes, or an SSE body to stream).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+from tidal.errors import ApiError, bad_request
+from tidal.frontend import Frontend
+from tidal.http import fast_send
+from tidal.lifecycle import ActiveRequest
+from tidal.openai.choices import ChoicesSseBody, collect_choices
+from tidal.openai.encoding import ChunkEncoder
+from tidal.openai.requests import (MAX_N, Validated, chat_messages, completion_prompt, fit_max_tokens, parse_body,
+                                   validate)
+from tidal.openai.streaming import OutputReader, SseBody, collect
+from tidal.openai.token_logprobs import LogprobsFormatter, TokenTexts
+from tidal.openai.tool_calls import ToolCallStream
+from tidal.tokenizer import PromptTokenizer
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# (status, headers, body): body bytes, or an async iterable of SSE frames (SseBody, ChoicesSseBody)
+Answer = tuple[int, dict[str, str], Any]
+
+
+def error_answer(error: ApiError) -> Answer:
+    return error.status, {"Content-Type": "application/json", **error.headers}, error.json()
+
+
+def json_answer(obj: Any, status: int = 200) -> Answer:
+    return status, {"Content-Type": "application/json"}, msgspec.json.encode(obj)
+
+
+class Api:
+    """Everything a route needs, held by the app (no module globals)."""
+
+    def __init__(self, frontend: Frontend, tokenizer: PromptTokenizer, model_name: str, max_model_len: int,
+                 vocab_size: int, tool_call_parser: str | None = None):
+        self.frontend = frontend
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.tool_call_parser = tool_call_parser
+        self.token_texts = TokenTexts(tokenizer.tokenizer.backend_tokenizer)
+
+    def tool_call_stream(self, checked: Validated) -> ToolCallStream | None:
+        """How the answer is read for tool calls (None: plain content)."""
+        use = checked.tools
+        if use is None:
+            return None
+        if use.mode == "auto":
+            return ToolCallStream(parser=self.tool_call_parser) if self.tool_call_parser else None
+        return ToolCallStream(forced=use.function or "required", named=use.mode == "named")
+
+    def logprobs_formatter(self, checked: Validated) -> LogprobsFormatter | None:
+        if checked.params.logprobs is None:
+            return None
+        return LogprobsFormatter(checked.kind, self.token_texts, checked.return_tokens_as_token_ids)
+
+    async def admit(self, kind: str, body: bytes | dict) -> tuple[ActiveRequest, Validated]:
+        """Parse, validate, tokenise and admit. Raises ApiError.
+
+        Once this returns, the caller holds an open request (its RequestScope closes it too).
+        """
+        actives, checked = await self.admit_choices(kind, body, max_n=1)
+        return actives[0], checked
+
+    async def admit_choices(self, kind: str, body: bytes | dict,
+                            max_n: int = MAX_N) -> tuple[list[ActiveRequest], Validated]:
+        """``admit`` for a request of ``n`` choices: one open request per choice, each counted by
+        admission. Choice i > 0 is a fork of choice 0 (the engine prefills the prompt once) and,
+        with a seed, draws from seed + i: reproducible and distinct."""
+        parsed = parse_body(kind, body)  # type: ignore[arg-type]
+        if parsed.model is not None and parsed.model != self.model_name:
+            raise ApiError(404, f"The model `{parsed.model}` does not exist.", "not_found_error", "model",
+                           "model_not_found")
+        checked = validate(parsed, self.vocab_size)
+        if kind == "chat":
+            tools = [msgspec.to_builtins(t) for t in parsed.tools] if parsed.tools else None  # type: ignore[union-attr]
+            prompt_ids = await self.tokenizer.encode_chat(chat_messages(parsed), tools)  # type: ignore[arg-type]
+        else:
+            prompt = completion_prompt(parsed)  # type: ignore[arg-type]
+            if isinstance(prompt, str):
+                prompt_ids = await self.tokenizer.encode_text(prompt)
+            else:
+                if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt):
+                    raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
+                prompt_ids = list(prompt)
+        if checked.n > max_n:
+            raise bad_request("n > 1 is supported on /v1/chat/completions and /v1/completions only", "n")
+        params = fit_max_tokens(checked, len(prompt_ids), self.max_model_len)
+        first = self.frontend.open_request(prompt_ids, params, checked.priority)
+        actives = [first]
+        for i in range(1, checked.n):
+            seed = params.seed
+            choice = params if seed is None else msgspec.structs.replace(params, seed=_offset_seed(seed, i))
+            actives.append(self.frontend.open_request(prompt_ids, choice, checked.priority, fork_of=first.request_id))
+        return actives, checked
+
+    async def first_output(self, active: ActiveRequest, checked: Validated) -> OutputReader:
+        """Wait for the request's first output (raises the ApiError that ended it before); the
+        reader of the rest, in deltas of the request's stream interval (one delta without stream)."""
+        first = await self.frontend.first_output(active)
+        if first.error is not None:  # refused by the engine before it was scheduled
+            raise bad_request(first.error, checked.structured_param)
+        interval = (checked.stream_interval or self.frontend.config.stream_interval) if checked.stream else math.inf
+        return OutputReader(self.frontend, active, first, interval,  # type: ignore[arg-type]
+                            self.logprobs_formatter(checked), self.tool_call_stream(checked))
+
+    async def respond(self, kind: str, body: bytes | dict, scope: dict) -> Answer:
+        """A completion request's answer, for any transport: (status, headers, body), the body
+        bytes or the SSE body iterable (``scope``: the ASGI scope, for the direct frame writer)."""
+        try:
+            actives, checked = await self.admit_choices(kind, body)
+            readers = [await self.first_output(active, checked) for active in actives]
+        except ApiError as error:
+            return error_answer(error)
+        if len(readers) > 1:
+            return await self._respond_choices(kind, readers, checked, scope)
+        active, reader = actives[0], readers[0]
+        encoder = ChunkEncoder(kind, self.model_name)  # type: ignore[arg-type]
+        if checked.stream:
+            return 200, _SSE_HEADERS, SseBody(reader, encoder, checked.include_usage, fast_send.body_writer(scope))
+        try:
+            return json_answer(await collect(reader, encoder))
+        except ApiError as error:
+            return error_answer(error)
+        finally:
+            self.frontend.close(active)
+
+    async def _respond_choices(self, kind: str, readers: list[OutputReader], checked: Validated,
+                               scope: dict) -> Answer:
+        first = ChunkEncoder(kind, self.model_name)  # type: ignore[arg-type]
+        encoders = [first] + [ChunkEncoder(kind, self.model_name, i, first)  # type: ignore[arg-type]
+                              for i in range(1, len(readers))]
+        if checked.stream:
+            return 200, _SSE_HEADERS, ChoicesSseBody(readers, encoders, checked.include_usage,
+                                                     fast_send.body_writer(scope))
+        try:
+            return json_answer(await collect_choices(readers, encoders))
+        except ApiError as error:
+            return error_answer(error)
+        finally:
+            for reader in readers:
+                self.frontend.close(reader.request)
+
+
+def _offset_seed(seed: int, i: int) -> int:
+    """seed + i, wrapped into the accepted seed range [-2^63, 2^64)."""
+    return seed + i if seed + i < 2**64 else seed + i - 2**64 - 2**63
