@@ -53,6 +53,7 @@ _HEADERS = [_CSRC / "vec8.h", _CSRC / "paged_decode_bf16.h", _CSRC / "claims.h",
 _lock = threading.Lock()
 _loaded = False  # whether a load was attempted (its result, possibly None, is in _ops)
 _ops = None  # torch.ops.tidal_cpu once loaded
+_failure: str | None = None  # why the load gave None: the full build output, for load_failure()
 
 # The signature of the loaded kernel, for readers (torch.ops objects carry no annotations).
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -74,6 +75,13 @@ def load_cpu_ops():
     return _ops
 
 
+def load_failure() -> str | None:
+    """Why ``load_cpu_ops`` returned None, in full (the compiler's whole output for a failed build), or
+    None if it has not failed. The engine only logs the first error line; a test suite that requires the
+    kernels (``TIDAL_REQUIRE_KERNELS=1``, tests/conftest.py) fails with all of it."""
+    return _failure
+
+
 def load_decode_kernel() -> DecodeKernel | None:
     """The compiled paged decode attention, or None when disabled or unbuildable.
 
@@ -86,8 +94,10 @@ def load_decode_kernel() -> DecodeKernel | None:
 
 
 def _load():
+    global _failure
     if os.environ.get("TIDAL_CPU_KERNELS", "1") == "0":
         log.info("CPU kernels disabled by TIDAL_CPU_KERNELS=0")
+        _failure = "disabled by TIDAL_CPU_KERNELS=0"
         return None
     started = time.perf_counter()
     try:
@@ -116,6 +126,7 @@ def _load():
         ops.paged_decode_attention  # noqa: B018 - resolves the op now: a missing one fails here, not mid-forward
     except Exception as exc:  # noqa: BLE001 - any build or load failure means "use the torch path"
         log.warning("CPU kernels unavailable, using the torch path: %s: %s", type(exc).__name__, _reason(str(exc)))
+        _failure = f"{type(exc).__name__}: {exc}"
         return None
     if building:
         log.warning("CPU kernels built in %.1f s", time.perf_counter() - started)
