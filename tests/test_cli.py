@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pathlib
+import re
 import subprocess
 import sys
+
+import pytest
 
 from hf_models import make_hf_model
 from live_server import LiveServer
@@ -35,6 +39,31 @@ def test_a_misspelt_flag_gets_serves_usage_and_the_nearest_flag():
     assert result.stderr.startswith("usage: tidal serve ")
     assert "tidal serve: error: unrecognized arguments: --prot 8011" in result.stderr
     assert "--prot: did you mean --port?" in result.stderr
+
+
+def test_an_abbreviated_flag_is_an_error_with_a_short_usage_and_the_nearest_flag():
+    result = run_serve("--max-num-seq", "8", "--port", "0")  # argparse would take it as --max-num-seqs
+    assert result.returncode == 2
+    assert "unrecognized arguments: --max-num-seq 8" in result.stderr
+    assert "--max-num-seq: did you mean --max-num-seqs?" in result.stderr
+    assert len(result.stderr.splitlines()) <= 4, result.stderr  # not the whole usage before the hint
+
+
+def test_version_prints_the_package_version():
+    import tidal
+
+    result = subprocess.run([sys.executable, "-m", "tidal", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == f"tidal {tidal.__version__}"
+
+
+def test_build_kernels_says_where_the_build_is_cached():
+    result = subprocess.run([sys.executable, "-m", "tidal", "build-kernels"], capture_output=True, text=True,
+                            timeout=900)  # cached by the suite's first kernel load; a cold build takes minutes
+    if result.returncode == 1 and "not available here" in result.stderr:
+        pytest.skip("the CPU kernels cannot be built here (no compiler)")
+    assert result.returncode == 0, result.stderr
+    seconds, directory = re.fullmatch(r"CPU kernels ready in ([0-9.]+) s, cached in (\S+)\n", result.stdout).groups()
+    assert float(seconds) >= 0 and any(pathlib.Path(directory).glob("tidal_cpu_*.so"))
 
 
 def test_unsupported_architecture_fails_at_start_with_a_clear_message(tmp_path):

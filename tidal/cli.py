@@ -1,4 +1,4 @@
-"""``tidal serve`` and ``tidal bench``. Flag names follow vLLM / SGLang where one exists."""
+"""``tidal serve``, ``tidal bench`` and ``tidal build-kernels``. Flag names follow vLLM / SGLang where one exists."""
 
 from __future__ import annotations
 
@@ -259,21 +259,43 @@ def _unknown_arguments(p: argparse.ArgumentParser, unknown: list[str]) -> None:
     p.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"\n  {hint}" for hint in hints))
 
 
+def _build_kernels() -> int:
+    """``tidal build-kernels``, in a child: building needs torch, which the frontend never imports."""
+    import subprocess
+
+    return subprocess.call([sys.executable, "-m", "tidal.gpu.cpu.build"])
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tidal", description="An OpenAI-compatible LLM server on Trio.")
+    from tidal import __version__
+
+    # allow_abbrev=False on every parser: a misspelt flag (--max-num-seq) is an error, never a silent
+    # match; the subcommands' usage is one line, so an error's "did you mean" is not lost under 37 lines
+    parser = argparse.ArgumentParser(prog="tidal", description="An OpenAI-compatible LLM server on Trio.",
+                                     allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"tidal {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve_p = sub.add_parser("serve", help="Start the OpenAI-compatible server.",
+    serve_p = sub.add_parser("serve", help="Start the OpenAI-compatible server.", allow_abbrev=False,
+                             usage="%(prog)s [options]",
                              description="Start the OpenAI-compatible server (SSE and WebSocket streaming).")
     add_serve_arguments(serve_p)
-    bench_p = sub.add_parser("bench", help="Load-test any OpenAI-compatible server.")
+    bench_p = sub.add_parser("bench", help="Load-test any OpenAI-compatible server.", allow_abbrev=False,
+                             usage="%(prog)s [options]")
+    sub.add_parser("build-kernels", allow_abbrev=False,
+                   help="Build the C++ CPU kernels now (the first serve does it otherwise) and say where they are "
+                        "cached.",
+                   description="Build the C++ CPU kernels now (the first serve does it otherwise), print where "
+                               "they are cached and how long it took.")
     from tidal.tools import bench
 
     bench.add_arguments(bench_p)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's usage and the nearest flag, not the top-level usage
-        _unknown_arguments(serve_p if args.command == "serve" else bench_p, unknown)
+        _unknown_arguments({"serve": serve_p, "bench": bench_p}.get(args.command, parser), unknown)
     if args.command == "bench":
         return bench.main(args)
+    if args.command == "build-kernels":
+        return _build_kernels()
 
     _check_engine_args(serve_p, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -31,6 +31,8 @@ def run_engine_process(in_fd: int, out_fd: int) -> int:
     tighten_timer_slack()  # first: threads inherit it from the thread that starts them
     logging.basicConfig(level=os.environ.get("TIDAL_ENGINE_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s engine %(levelname)s %(message)s")
+    if "TIDAL_ENGINE_LOG_LEVEL" not in os.environ:  # the first start's kernel build is progress worth seeing
+        logging.getLogger("tidal.gpu.cpu.kernels").setLevel(logging.INFO)
     config = read_config(in_fd)
 
     # Everything below the config read may fail; the frontend must hear why.

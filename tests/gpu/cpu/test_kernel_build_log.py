@@ -1,4 +1,5 @@
-"""The first start's CPU kernel build is announced (start and done); later starts stay quiet."""
+"""The first start's CPU kernel build is announced as progress (start and done, at INFO); later starts
+stay quiet."""
 
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ def kernel():
 def test_a_build_logs_when_it_starts_and_when_it_is_done(kernel, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty cache: this start must build
     monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: None)  # the op is already registered
-    with caplog.at_level(logging.WARNING, logger="tidal.gpu.cpu.kernels"):
+    with caplog.at_level(logging.INFO, logger="tidal.gpu.cpu.kernels"):
         assert cpu_kernels._load() is not None
     messages = [record.getMessage() for record in caplog.records]
     assert messages[0].startswith("building the CPU kernels (first start only")
     assert messages[1].startswith("CPU kernels built in ")
+    assert "paged_decode.cpp" in messages[0] and str(tmp_path) in messages[0]  # what is built, and where
+    assert {record.levelno for record in caplog.records} == {logging.INFO}  # progress, not a fault
 
 
 def test_a_cached_build_loads_without_a_warning(kernel, caplog):

@@ -27,7 +27,8 @@ frontend or the client (they wake at every token, on the same cores) does not ho
 The build takes tens of seconds the first time and is cached in torch's extensions directory
 (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), so later processes only
 load the shared library. ``TIDAL_CPU_KERNELS=0`` turns the kernels off; so does any failure to
-build, after one logged warning: callers then use their plain-torch path.
+build, after one logged warning: callers then use their plain-torch path. ``tidal build-kernels``
+(tidal/gpu/cpu/build.py) builds them ahead of the first start.
 """
 
 from __future__ import annotations
@@ -103,17 +104,12 @@ def _load():
     try:
         from torch.utils import cpp_extension
 
-        isa, flags = _compile_flags()
-        # the ISA is in the name so machines sharing a cache directory never load each other's build; the
-        # sources' hash (headers included: torch's own check skips them) so an edit always rebuilds; the
-        # checkout's path so two checkouts (whose build files name different source paths) do not
-        # rebuild over each other in torch's shared extension cache
-        digest = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
-                                + str(_CSRC).encode() + " ".join(flags).encode()).hexdigest()[:10]
-        name = f"tidal_cpu_{isa}_{digest}"
+        name, flags = _library()
         building = not _is_built(cpp_extension, name)
-        if building:  # at WARNING: the engine's default level, and the start is silent for this long
-            log.warning("building the CPU kernels (first start only, ~30-70 s; later starts load the cached build)")
+        if building:  # progress, not a fault: the start is silent for this long otherwise
+            log.info("building the CPU kernels (first start only, ~30-70 s; later starts load the cached build): "
+                     "%s from %s with %s, into %s", name, ", ".join(path.name for path in _SOURCES),
+                     " ".join(flags), _build_directory(cpp_extension, name) or "torch's extension cache")
         cpp_extension.load(
             name=name,
             sources=[str(path) for path in _SOURCES],
@@ -129,19 +125,41 @@ def _load():
         _failure = f"{type(exc).__name__}: {exc}"
         return None
     if building:
-        log.warning("CPU kernels built in %.1f s", time.perf_counter() - started)
+        log.info("CPU kernels built in %.1f s", time.perf_counter() - started)
     else:
-        log.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
+        log.debug("CPU kernels ready in %.1f s", time.perf_counter() - started)  # quiet: the usual start
     return ops
+
+
+def cache_directory() -> str | None:
+    """Where this checkout's build for this CPU lives (or will) in torch's extension cache."""
+    from torch.utils import cpp_extension
+
+    return _build_directory(cpp_extension, _library()[0])
+
+
+def _library() -> tuple[str, list[str]]:
+    """(library name, compiler flags). The ISA is in the name so machines sharing a cache directory never
+    load each other's build; the sources' hash (headers included: torch's own check skips them) so an edit
+    always rebuilds; the checkout's path so two checkouts (whose build files name different source paths)
+    do not rebuild over each other in torch's shared extension cache."""
+    isa, flags = _compile_flags()
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
+                            + str(_CSRC).encode() + " ".join(flags).encode()).hexdigest()[:10]
+    return f"tidal_cpu_{isa}_{digest}", flags
+
+
+def _build_directory(cpp_extension, name: str) -> str | None:
+    try:
+        return cpp_extension._get_build_directory(name, verbose=False)
+    except Exception:  # noqa: BLE001 - a private helper: if it moves, we cannot say where
+        return None
 
 
 def _is_built(cpp_extension, name: str) -> bool:
     """Whether torch's extension cache already holds this build (then loading takes ~0.15 s)."""
-    try:
-        directory = cpp_extension._get_build_directory(name, verbose=False)
-    except Exception:  # noqa: BLE001 - a private helper: if it moves, assume a build is needed
-        return False
-    return os.path.exists(os.path.join(directory, f"{name}.so"))
+    directory = _build_directory(cpp_extension, name)
+    return directory is not None and os.path.exists(os.path.join(directory, f"{name}.so"))
 
 
 def _reason(message: str) -> str:

@@ -43,6 +43,8 @@ def run_rank() -> int:
     rank = int(os.environ["RANK"])
     logging.basicConfig(level=os.environ.get("TIDAL_ENGINE_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s rank {rank} %(levelname)s %(message)s")
+    if "TIDAL_ENGINE_LOG_LEVEL" not in os.environ:  # the first start's kernel build is progress worth seeing
+        logging.getLogger("tidal.gpu.cpu.kernels").setLevel(logging.INFO)
     import torch
 
     from tidal.gpu.model_runner import ModelRunner
