@@ -89,9 +89,9 @@ async def test_at_most_max_waiting_prompts_wait_for_a_thread_then_503(prompt_tok
     release = threading.Event()
     original = prompt_tokenizer._encode_text
 
-    def blocked(text):
+    def blocked(text, *options):
         release.wait(30)
-        return original(text)
+        return original(text, *options)
 
     monkeypatch.setattr(prompt_tokenizer, "_encode_text", blocked)
     bound = MAX_WAITING_PER_WORKER * 1  # the fixture has one worker

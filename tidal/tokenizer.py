@@ -104,20 +104,25 @@ class PromptTokenizer:
                 f"{num_chars} characters, more than that many tokens can hold (at most {self.max_prompt_chars} "
                 f"characters). Please reduce the length of the input.", param)
 
-    async def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                          template_kwargs: dict[str, Any] | None = None,
+                          add_generation_prompt: bool = True) -> list[int]:
+        """The chat prompt's ids; ``template_kwargs`` (a request's ``chat_template_kwargs``, e.g.
+        ``{"enable_thinking": false}``) are extra variables for the template."""
         num_chars = sum(len(m["content"]) for m in messages)
         self._check_length(num_chars, "messages")  # the template only adds text
+        options = (tools, template_kwargs or {}, add_generation_prompt)
         if num_chars <= INLINE_MAX_CHARS and not tools:  # tool schemas can make a long prompt: a worker
             await trio.lowlevel.checkpoint()
-            return self._encode_chat(messages)
-        return await self._in_worker(self._encode_chat, messages, tools)
+            return self._encode_chat(messages, *options)
+        return await self._in_worker(self._encode_chat, messages, *options)
 
-    async def encode_text(self, text: str) -> list[int]:
+    async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self._check_length(len(text), "prompt")
         if len(text) <= INLINE_MAX_CHARS:
             await trio.lowlevel.checkpoint()
-            return self._encode_text(text)
-        return await self._in_worker(self._encode_text, text)
+            return self._encode_text(text, add_special_tokens)
+        return await self._in_worker(self._encode_text, text, add_special_tokens)
 
     async def _in_worker(self, fn, *args):
         """Run ``fn(*args)`` in a worker thread: at most ``workers`` at once, at most ``max_waiting``
@@ -126,20 +131,29 @@ class PromptTokenizer:
             raise ApiError(503, TOKENIZER_QUEUE_FULL, "service_unavailable", headers={"Retry-After": "1"})
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter, abandon_on_cancel=True)
 
-    def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                     template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True) -> list[int]:
         if not self.has_chat_template:
             raise bad_request("This model has no chat template; use /v1/completions", "messages")
         try:
             # tools go to the template as transformers passes them (it renders them its own way)
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                      tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **(template_kwargs or {}))
         except Exception as exc:  # a template may raise on roles or orders it does not support
             raise bad_request(f"The chat template could not render these messages: {exc}", "messages") from None
         # the template writes the special tokens it wants (e.g. BOS); add none of our own
         return self._encode(text, add_special_tokens=False)
 
-    def _encode_text(self, text: str) -> list[int]:
-        return self._encode(text, add_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of ``token_ids`` (short work: the caller bounds the count)."""
+        return self._fast.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each id's vocabulary string (byte-level strings as stored, e.g. "Ġthe")."""
+        return [self._fast.id_to_token(t) or "" for t in token_ids]
+
+    def _encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._encode(text, add_special_tokens)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         # encode() holds the GIL throughout (a 1 MB prompt froze the event loop for ~1 s);

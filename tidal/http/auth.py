@@ -18,11 +18,15 @@ SUBPROTOCOL = "tidal"
 _BEARER_PREFIX = "tidal.bearer."
 
 
-def authorization(headers, subprotocols: list[str]) -> str:
-    """The handshake's ``Authorization`` header, or the one its bearer subprotocol stands for."""
+def authorization(headers, subprotocols: list[str] = ()) -> str:  # type: ignore[assignment]
+    """The ``Authorization`` header, or the one an ``x-api-key`` header (Anthropic's clients) or
+    a WebSocket bearer subprotocol stands for."""
     header = headers.get("Authorization", "")
     if header:
         return header
+    key = headers.get("x-api-key", "")
+    if key:
+        return "Bearer " + key
     for protocol in subprotocols:
         if protocol.startswith(_BEARER_PREFIX):
             encoded = protocol[len(_BEARER_PREFIX):]

@@ -17,7 +17,9 @@ from werkzeug.exceptions import HTTPException
 
 from tidal.errors import ApiError
 from tidal.frontend import SHUTTING_DOWN
-from tidal.http.auth import auth_error
+from tidal.anthropic import errors as anthropic_errors
+from tidal.http.agent_routes import AUTHORIZED_PATHS, is_anthropic_path, register_agent_routes
+from tidal.http.auth import auth_error, authorization
 from tidal.http.websocket import register_websocket
 from tidal.openai.service import Api, error_answer, json_answer
 
@@ -28,7 +30,9 @@ _HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "
 
 
 def error_response(error: ApiError) -> Response:
-    status, headers, body = error_answer(error)
+    """The error in the shape of the API the request spoke: Anthropic's on its routes, else OpenAI's."""
+    status, headers, body = (anthropic_errors.error_answer(error) if is_anthropic_path(request.path)
+                             else error_answer(error))
     return Response(body, status, headers)
 
 
@@ -52,9 +56,9 @@ def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_rende
 
     @app.before_request
     async def check_auth():
-        if not request.path.startswith("/v1"):
+        if not request.path.startswith("/v1") and request.path not in AUTHORIZED_PATHS:
             return None
-        error = auth_error(api_key, request.headers.get("Authorization", ""))
+        error = auth_error(api_key, authorization(request.headers))
         if error is not None:
             await discard_body()
             return error_response(error)
@@ -108,6 +112,7 @@ def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_rende
     async def metrics():
         return Response(metrics_render(), 200, {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
+    register_agent_routes(app, api, body_bytes)
     register_websocket(app, api, max_ws_requests,
                        lambda headers: auth_error(api_key, headers.get("Authorization", "")))
 

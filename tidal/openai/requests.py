@@ -118,6 +118,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -149,10 +150,20 @@ def _error_param(text: str) -> str | None:
 
 def parse_body(kind: Literal["chat", "completions"], body: bytes | dict) -> ChatCompletionRequest | CompletionRequest:
     """Decode and type-check a request body (400 with the offending field otherwise)."""
+    if isinstance(body, dict):
+        return decode_struct(body, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+    return decode_struct(body, _decoders[kind])
+
+
+def decode_struct(body: bytes | dict, struct: type | msgspec.json.Decoder) -> Any:
+    """A body (JSON bytes, or a dict already decoded) as ``struct`` (a Struct, or a Decoder of
+    one); a 400 naming the offending field otherwise. Every route's body goes through here."""
     try:
         if isinstance(body, dict):
-            return msgspec.convert(body, ChatCompletionRequest if kind == "chat" else CompletionRequest)
-        return _decoders[kind].decode(body)
+            return msgspec.convert(body, struct)  # type: ignore[arg-type]
+        if isinstance(struct, msgspec.json.Decoder):
+            return struct.decode(body)
+        return msgspec.json.decode(body, type=struct)
     except msgspec.ValidationError as exc:
         text = str(exc)
         raise bad_request(f"Invalid request: {text}", _error_param(text)) from None
@@ -164,10 +175,15 @@ def parse_body(kind: Literal["chat", "completions"], body: bytes | dict) -> Chat
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as plain dicts for the chat template; text parts only."""
-    if not request.messages:
+    return template_messages(request.messages)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as plain dicts for the chat template; text parts only."""
+    if not messages:
         raise bad_request("'messages' must contain at least one message", "messages")
     out = []
-    for i, message in enumerate(request.messages):
+    for i, message in enumerate(messages):
         if message.role not in ROLES:
             raise bad_request(f"messages[{i}].role {message.role!r} is not one of {sorted(ROLES)}",
                               f"messages[{i}].role")
@@ -192,6 +208,23 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
             entry["name"] = message.name
         out.append(entry)
     return out
+
+
+# Names the template already gets from the server; a request may not replace them.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "conversation",
+                                       "documents", "chat_template", "continue_final_message", "return_dict"})
+MAX_TEMPLATE_KWARGS = 16
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's ``chat_template_kwargs``, checked: a few plain variables, none the server sets."""
+    kwargs = kwargs or {}
+    _check(len(kwargs) <= MAX_TEMPLATE_KWARGS, f"chat_template_kwargs may have at most {MAX_TEMPLATE_KWARGS} "
+           "entries", "chat_template_kwargs")
+    for name in kwargs:
+        _check(name.isidentifier() and name not in _RESERVED_TEMPLATE_KWARGS,
+               f"chat_template_kwargs may not set {name!r}", "chat_template_kwargs")
+    return kwargs
 
 
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from tidal.lifecycle import ActiveRequest
 from tidal.openai.choices import ChoicesSseBody, collect_choices
 from tidal.openai.encoding import ChunkEncoder
 from tidal.openai.requests import (MAX_N, Validated, chat_messages, completion_prompt, fit_max_tokens, parse_body,
-                                   validate)
+                                   template_kwargs, validate)
 from tidal.openai.streaming import OutputReader, SseBody, collect
 from tidal.openai.token_logprobs import LogprobsFormatter, TokenTexts
 from tidal.openai.tool_calls import ToolCallStream
@@ -87,7 +87,8 @@ class Api:
         checked = validate(parsed, self.vocab_size)
         if kind == "chat":
             tools = [msgspec.to_builtins(t) for t in parsed.tools] if parsed.tools else None  # type: ignore[union-attr]
-            prompt_ids = await self.tokenizer.encode_chat(chat_messages(parsed), tools)  # type: ignore[arg-type]
+            prompt_ids = await self.tokenizer.encode_chat(chat_messages(parsed), tools,  # type: ignore[arg-type]
+                                                          template_kwargs(parsed.chat_template_kwargs))  # type: ignore[union-attr]
         else:
             prompt = completion_prompt(parsed)  # type: ignore[arg-type]
             if isinstance(prompt, str):

@@ -1,0 +1,1 @@
+"""Tests of the agent APIs (tokenize, reasoning, Responses, Anthropic Messages) against one live server."""

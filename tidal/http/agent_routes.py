@@ -1,0 +1,44 @@
+"""The routes beside chat and completions: vLLM's tokenize/detokenize (Responses and Anthropic
+Messages join them as they land).
+
+Each answers through a service module that knows its API's shapes; this module only moves
+bytes between quart and that service, as routes.py does for the completion routes.
+"""
+
+from __future__ import annotations
+
+from quart import Response
+
+from tidal.errors import ApiError
+from tidal.openai.service import Api, error_answer, json_answer
+from tidal.openai.tokenize import Tokenization
+
+# Paths outside /v1 that still need the API key (vLLM's tokenizer routes).
+AUTHORIZED_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def _answer(answer) -> Response:
+    status, headers, content = answer
+    return Response(content, status, headers)
+
+
+def register_agent_routes(app, api: Api, body_bytes) -> None:
+    tokenization = Tokenization(api.tokenizer, api.model_name, api.max_model_len, api.vocab_size)
+
+    @app.post("/tokenize")
+    async def tokenize():
+        try:
+            return _answer(json_answer(await tokenization.tokenize(await body_bytes())))
+        except ApiError as error:
+            return _answer(error_answer(error))
+
+    @app.post("/detokenize")
+    async def detokenize():
+        try:
+            return _answer(json_answer(await tokenization.detokenize(await body_bytes())))
+        except ApiError as error:
+            return _answer(error_answer(error))
