@@ -63,7 +63,7 @@ def main() -> None:
                 raise SystemExit("bench failed")
             tokens = m1["tidal:generation_tokens_total"] - m0["tidal:generation_tokens_total"]
             merged = m1["tidal:stream_coalesced_chunks_total"] - m0["tidal:stream_coalesced_chunks_total"]
-            steps = m1["tidal:engine_steps"] - m0["tidal:engine_steps"]
+            steps = m1["tidal:engine_steps_total"] - m0["tidal:engine_steps_total"]
             cpu_us = 1e6 * (c1 - c0) / tokens
             frames = (tokens - merged) / tokens
             step_rate = steps / wall

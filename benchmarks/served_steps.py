@@ -7,7 +7,7 @@ The in-process ``engine_overhead.py`` leaves out what the engine process adds ar
 pipe's reader and writer, the process loop). Here each tree (a checkout, cwd and PYTHONPATH =
 the tree) runs ``tidal serve --model tidal-test --min-step-time STEP``; B streaming chat
 completions (openai SDK, ``ignore_eos``, greedy unless ``--temperature``, long enough to outlast the window) run at once, and
-once all B decode, the engine's step counter (``tidal:engine_steps`` on /metrics) is read at both
+once all B decode, the engine's step counter (``tidal:engine_steps_total`` on /metrics) is read at both
 ends of a WINDOW-second span: steps/s against the ideal 1/STEP, and the engine process's CPU
 per step (psutil) over that span. Trees alternate round by round so they share the host's load.
 With ``--stream-interval`` N the frontend sends a chunk every N tokens: the client's and the
@@ -86,14 +86,14 @@ async def measure(port: int, engine: psutil.Process, args) -> tuple[float, float
             raise RuntimeError(f"fewer than {args.batch} requests running after 60 s")
         await asyncio.sleep(0.1)
     await asyncio.sleep(0.5)  # past the prefills
-    first = metric(port, "tidal:engine_steps")
-    while metric(port, "tidal:engine_steps") < first + 50:  # a first use may build a kernel first
+    first = metric(port, "tidal:engine_steps_total")
+    while metric(port, "tidal:engine_steps_total") < first + 50:  # a first use may build a kernel first
         if time.monotonic() > ramp_deadline + 120:
             raise RuntimeError("the engine made no steps in 120 s")
         await asyncio.sleep(0.2)
-    steps0, cpu0, t0 = metric(port, "tidal:engine_steps"), engine.cpu_times(), time.perf_counter()
+    steps0, cpu0, t0 = metric(port, "tidal:engine_steps_total"), engine.cpu_times(), time.perf_counter()
     await asyncio.sleep(args.window)
-    steps1, cpu1, t1 = metric(port, "tidal:engine_steps"), engine.cpu_times(), time.perf_counter()
+    steps1, cpu1, t1 = metric(port, "tidal:engine_steps_total"), engine.cpu_times(), time.perf_counter()
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)

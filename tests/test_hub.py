@@ -95,3 +95,18 @@ def test_a_missing_model_is_one_clear_line_and_exit_code_3(tmp_path):
     errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "tidal-org/no-such-model is not in the Hub cache" in errors[0], result.stderr
     assert "HF_HUB_OFFLINE is set" in errors[0] and "Traceback" not in result.stderr
+
+
+def test_no_network_is_one_line_worded_as_docs_scaling_shows(tmp_path):
+    env = {key: value for key, value in os.environ.items() if key != "HF_HUB_OFFLINE"}
+    env.update(HF_HOME=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:9")  # nothing listens: no network
+    result = subprocess.run([sys.executable, "-m", "tidal", "serve", "--model", "tidal-org/no-such-model",
+                             "--port", "0"], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 3
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    said = errors[0].split("exiting: ", 1)[1]
+    assert said == (f"model tidal-org/no-such-model is not in the Hub cache ({tmp_path / 'hub'}) and the Hugging "
+                    "Face Hub cannot be reached; download it once with network access, or pass a local directory")
+    documented = (Path(__file__).parent.parent / "docs" / "scaling.md").read_text()
+    assert said.replace("tidal-org/no-such-model", "ORG/NAME").replace(str(tmp_path / "hub"), "DIR") in documented

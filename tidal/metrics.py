@@ -68,7 +68,9 @@ class Metrics:
                                     labels, registry=r)
         self.kv_blocks_total = Gauge("tidal:kv_cache_blocks_total", "KV blocks in the cache.", labels,
                                      registry=r)
-        self.engine_step = Gauge("tidal:engine_steps", "Engine steps run so far.", labels, registry=r)
+        # a counter (exposed as tidal:engine_steps_total): it only grows, so rate() gives steps per second
+        self.engine_steps = Counter("tidal:engine_steps", "Engine steps run so far.", labels, registry=r)
+        self._engine_steps_seen = 0
         self.frontend_requests = Gauge("tidal:frontend_requests_active",
                                        "Requests with state in the frontend.", labels, registry=r)
         self.ttft = Histogram("tidal:time_to_first_token_seconds", "Arrival to first token.", labels,
@@ -131,6 +133,7 @@ class Metrics:
         self.generation_tokens_m = self.generation_tokens.labels(m)
         self.prompt_tokens_m = self.prompt_tokens.labels(m)
         self.coalesced_m = self.coalesced_chunks.labels(m)
+        self.engine_steps_m = self.engine_steps.labels(m)
         self.model_name = m
 
     def render(self, stats, num_frontend_requests: int, replicas=()) -> bytes:
@@ -155,6 +158,9 @@ class Metrics:
         self.kv_cache_usage_perc.labels(m).set(stats.num_used_blocks / total)
         self.kv_blocks_used.labels(m).set(stats.num_used_blocks)
         self.kv_blocks_total.labels(m).set(stats.num_total_blocks)
-        self.engine_step.labels(m).set(stats.step)
+        # the engine reports its step count; the counter adds what is new since the last scrape. A
+        # restarted replica counts from 0 again: the steps before its first report after it are not seen
+        self.engine_steps_m.inc(max(0, stats.step - self._engine_steps_seen))
+        self._engine_steps_seen = stats.step
         self.frontend_requests.labels(m).set(num_frontend_requests)
         return generate_latest(self.registry)

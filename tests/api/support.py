@@ -21,7 +21,7 @@ METRIC_NAMES = (
     "tidal:kv_cache_usage_perc",
     "tidal:kv_cache_blocks_used",
     "tidal:kv_cache_blocks_total",
-    "tidal:engine_steps",
+    "tidal:engine_steps_total",
     "tidal:frontend_requests_active",
     "tidal:time_to_first_token_seconds",
     "tidal:inter_token_latency_seconds",

@@ -341,4 +341,4 @@ def test_metrics_count_what_the_responses_report(client, api_server):
     finished = f'tidal:requests_finished_total{{finished_reason="length",model_name="{SERVED_MODEL}"}}'
     assert after[finished] - before.get(finished, 0) == 1
     assert after["tidal:kv_cache_blocks_total"] == 128
-    assert after["tidal:engine_steps"] > before["tidal:engine_steps"]
+    assert after["tidal:engine_steps_total"] > before["tidal:engine_steps_total"]

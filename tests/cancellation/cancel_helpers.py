@@ -78,7 +78,7 @@ def all_aborts(m: dict[str, float]) -> float:
 
 
 def steps(m: dict[str, float]) -> int:
-    return int(m["tidal:engine_steps"])
+    return int(m["tidal:engine_steps_total"])
 
 
 def wait_blocks_free(server, timeout: float = 10.0) -> tuple[dict[str, float], float]:

@@ -3,7 +3,7 @@
 Server: ``--max-num-seqs 1 --max-num-batched-tokens 32 --min-step-time 0.1`` (one step
 lasts 0.1 s; a second request waits; a 640-token prompt is prefilled in 20 steps).
 
-The step clock. ``tidal:engine_steps`` and ``tidal:kv_cache_blocks_used`` in one /metrics
+The step clock. ``tidal:engine_steps_total`` and ``tidal:kv_cache_blocks_used`` in one /metrics
 scrape come from the same engine report. ``S_d`` is the step count scraped right after
 the client's ``close()``: the last step whose report the frontend had when the client was
 gone (the abort reaches the engine about a millisecond later, while step ``S_d + 1`` is
