@@ -524,6 +524,8 @@ def test_cli_prints_report_and_writes_json_and_plot(tmp_path, capsys):
     assert report["config"]["request_rate"] == 200 and report["config"]["ignore_eos"] is True
     assert len(report["requests"]) == 6 and all(len(r["itl_ms"]) == 3 for r in report["requests"])
     assert (tmp_path / "out.png").read_bytes().startswith(b"\x89PNG")
+    assert f"tidal bench: plot written to {tmp_path / 'out.png'}" in captured.err
+    assert f"tidal bench: results written to {tmp_path / 'out.json'}" in captured.err
     sent = state["app"].config["last_body"]
     assert sent["ignore_eos"] is True and sent["max_tokens"] == 4 and sent["temperature"] == 0
     assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
@@ -539,6 +541,14 @@ def test_cli_without_a_server_fails_cleanly(capsys):
     assert "cannot list models" in err and "ConnectError" in err
     assert "\\n" not in err and err.count("\n") == 1  # one line, no escaped newlines
 
+
+
+def test_the_itl_plot_axis_ends_at_the_p99_and_says_so():
+    gaps = [5.0] * 99 + [4000.0]  # one preemption-sized outlier
+    shown, label = bench.clip_at_p99(gaps, 6.0, "ITL (ms)")
+    assert max(shown) == 6.0 and len(shown) == 100  # every gap drawn, none stretching the axis
+    assert label == "ITL (ms), axis clipped at p99 = 6.0 ms (1 above, in the last bar)"
+    assert bench.clip_at_p99(gaps[:99], 6.0, "ITL (ms)") == (gaps[:99], "ITL (ms)")  # nothing to clip
 
 
 def test_base_url_with_or_without_v1():

@@ -49,6 +49,7 @@ __all__ = [
     "make_prompts",
     "run_benchmark",
     "write_plot",
+    "clip_at_p99",
 ]
 
 ENDPOINTS = ("chat", "completions", "ws")
@@ -480,24 +481,24 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def write_plot(report: dict[str, Any], path: str) -> None:
-    """Save TTFT and ITL histograms (one subplot each) to a PNG."""
+    """Save TTFT and ITL histograms (one subplot each) to a PNG. The ITL axis ends at the p99: a few
+    gaps of a second (a preemption, a long prefill) would otherwise squeeze every usual gap into one bar."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a benchmark box
     import matplotlib.pyplot as plt
 
     done = [r for r in report["requests"] if r["success"]]
-    series = {
-        "TTFT (ms)": [r["ttft_ms"] for r in done if r["ttft_ms"] is not None],
-        "ITL (ms)": [gap for r in done for gap in r["itl_ms"]],
-    }
+    ttft = [r["ttft_ms"] for r in done if r["ttft_ms"] is not None]
+    itl, itl_label = clip_at_p99([gap for r in done for gap in r["itl_ms"]], report["itl_ms"]["p99"], "ITL (ms)")
+    series = {"TTFT (ms)": (ttft, "ttft_ms"), itl_label: (itl, "itl_ms")}
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for axis, (label, values) in zip(axes, series.items()):
+    for axis, (label, (values, key)) in zip(axes, series.items()):
         if values:
             axis.hist(values, bins=min(50, max(5, len(values) // 4)), color="tab:blue", alpha=0.8)
-            stats = report["ttft_ms" if label.startswith("TTFT") else "itl_ms"]
-            for key, style in (("p50", "--"), ("p99", ":")):
-                axis.axvline(stats[key], color="black", linestyle=style, label=f"{key} {stats[key]:.1f}")
+            stats = report[key]
+            for name, style in (("p50", "--"), ("p99", ":")):
+                axis.axvline(stats[name], color="black", linestyle=style, label=f"{name} {stats[name]:.1f}")
             axis.legend()
         else:
             axis.text(0.5, 0.5, "no data", ha="center", va="center", transform=axis.transAxes)
@@ -507,6 +508,15 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def clip_at_p99(values: list[float], p99: float | None, label: str) -> tuple[list[float], str]:
+    """(values with those above ``p99`` drawn at it, the axis label saying so). Unchanged when none is above."""
+    above = 0 if p99 is None else sum(value > p99 for value in values)
+    if not above:
+        return values, label
+    clipped = [min(value, p99) for value in values]
+    return clipped, f"{label}, axis clipped at p99 = {p99:.1f} ms ({above} above, in the last bar)"
 
 
 # -- CLI ----------------------------------------------------------------------------------------
@@ -618,6 +628,8 @@ async def _main(config: BenchConfig, args: argparse.Namespace) -> int:
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"tidal bench: results written to {Path(args.json).resolve()}", file=sys.stderr)
     if args.plot:
         write_plot(report, args.plot)
+        print(f"tidal bench: plot written to {Path(args.plot).resolve()}", file=sys.stderr)
     return 0 if report["completed"] else 1
