@@ -244,7 +244,12 @@ class EngineClient:
         while self.dead is None:
             await trio.sleep(self.heartbeat_interval)
             if await self.ping(self.heartbeat_timeout) is None and self.dead is None:
-                self._fail(f"engine did not answer a heartbeat within {self.heartbeat_timeout} s")
+                channel = self._send.statistics()
+                if channel.current_buffer_used >= channel.max_buffer_size:  # the ping was not even queued
+                    self._fail(f"engine stopped reading its pipe: the frontend -> engine channel is full "
+                               f"({channel.max_buffer_size} messages)")
+                else:
+                    self._fail(f"engine did not answer a heartbeat within {self.heartbeat_timeout} s")
                 process.kill()  # a hung engine is not coming back; the reader task sees EOF
 
     async def _read_loop(self, process: trio.Process, splitter: FrameSplitter, bodies: list[bytes]) -> None:
