@@ -1,0 +1,78 @@
+"""The int8/int4 weight-only linear (csrc/linear_int.cpp) computes x @ dequant(W).T + b: against a float64
+torch reference over odd and ragged shapes (N not a multiple of 16, K not a multiple of the group), per-channel
+and grouped scales, symmetric and with zero points, 1 to 40 rows, float32 and bf16 activations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tidal.gpu.model.quantization import PackedInt, QuantizedWeight, Scheme, int_linear_ops, quantize
+
+
+@pytest.fixture(scope="module")
+def ops():
+    loaded = int_linear_ops("cpu")
+    if loaded is None:
+        pytest.skip("the int linear kernel needs a CPU with AVX2+FMA and the C++ kernels built")
+    return loaded
+
+
+def with_zero_points(weight: QuantizedWeight, seed: int) -> QuantizedWeight:
+    low = -(2 ** (weight.bits - 1))
+    generator = torch.Generator().manual_seed(seed)
+    weight.zero_points = torch.randint(low // 2, -low // 2, weight.scales.shape, generator=generator, dtype=torch.int8)
+    return weight
+
+
+def assert_matches(out: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight, bias) -> None:
+    dense = weight.dequantize().double()
+    exact = x.double() @ dense.T + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ dense.abs().T + (0 if bias is None else bias.double().abs())
+    bound = magnitude * (x.shape[-1] + 4) * 2.0**-23 + 1e-30
+    error = (out.double() - exact).abs()
+    assert (error <= bound).all(), f"max error {error.max():.3g}"
+
+
+@settings(max_examples=50, deadline=None)
+@given(m=st.integers(1, 40), n=st.integers(1, 90), half_k=st.integers(1, 200), bits=st.sampled_from([8, 4]),
+       group=st.sampled_from([None, 32, 128]), symmetric=st.booleans(), with_bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_matches_the_dequantized_weight(ops, m, n, half_k, bits, group, symmetric, with_bias, seed):
+    k = 2 * half_k + (1 if bits == 8 and seed % 2 else 0)  # int8 takes odd K too
+    generator = torch.Generator().manual_seed(seed)
+    weight = quantize(torch.randn(n, k, generator=generator), Scheme(bits, group))
+    if not symmetric:
+        weight = with_zero_points(weight, seed)
+    x = torch.randn(m, k, generator=generator)
+    bias = torch.randn(n, generator=generator) if with_bias else None
+    out = PackedInt(weight, ops).linear(x, bias)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    assert_matches(out, x, weight, bias)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bf16_activations_give_a_bf16_result(ops, bits):
+    weight = quantize(torch.randn(48, 256), Scheme(bits, 128 if bits == 4 else None))
+    x = torch.randn(2, 3, 256).bfloat16()
+    bias = torch.randn(48).bfloat16()
+    out = PackedInt(weight, ops).linear(x, bias)
+    assert out.shape == (2, 3, 48) and out.dtype == torch.bfloat16
+    reference = x.float() @ weight.dequantize().T + bias.float()
+    assert torch.allclose(out.float(), reference, atol=0.1, rtol=0.02)
+
+
+def test_quantize_rounds_to_the_nearest_step():
+    weight = torch.tensor([[1.0, -0.5, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    q = quantize(weight, Scheme(8, None))
+    assert q.q[0].tolist() == [127, -64, 32, 0] and q.q[1].tolist() == [0, 0, 0, 0]
+    assert torch.allclose(q.scales[0], torch.tensor([1 / 127]))
+    assert (q.dequantize() - weight).abs().max() <= 0.5 / 127
+
+
+def test_a_wrong_shape_is_refused(ops):
+    weight = PackedInt(quantize(torch.randn(16, 64), Scheme(8, None)), ops)
+    with pytest.raises(RuntimeError, match="packed weight has shape"):
+        ops.linear_int(torch.randn(1, 32), weight.packed, weight.scales, None, 16, 8, 32, None)

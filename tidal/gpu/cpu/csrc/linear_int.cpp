@@ -1,0 +1,209 @@
+// Weight-only quantized linear (y = x @ dequant(W).T + b): int8 or int4 weights, float32 arithmetic.
+//
+// At decode a linear's time is the time to stream its weight, so one byte (int8) or half a byte (int4) per
+// weight reads 2-4x less than bf16. The weights stay integers in memory and are widened to float32 in
+// registers, scaled by their column's scale (per output channel, or per group of `group_size` inputs) minus an
+// offset: w = q * scale - offset, where offset = zero_point * scale (int4 stores q + 8 unsigned, so its offset
+// also holds 8 * scale). Symmetric int8 per channel has no offset: its columns' scales multiply the integer sums
+// once at the end. Activations, bias and output are float32; a bf16 x is widened first (it is a few KB at
+// decode) and the result rounded back.
+//
+// Layout (tidal/gpu/model/quantization.py packs it): output columns in blocks of 16; a block is one sequential
+// stream over the inputs, 16 bytes per input (int8: [blocks, K, 16]) or per pair of inputs (int4:
+// [blocks, K/2, 16], byte j = column j's input 2i in the low nibble, 2i + 1 in the high nibble). Scales and
+// offsets are float32 [blocks, groups, 16]. N is zero-padded to whole blocks (padding scales are 0).
+//
+// The same loops (linear_int_tile.h) are compiled for AVX-512 (one zmm per block) and for AVX2+FMA (two ymm),
+// each under its own target attribute whatever the build's flags; which runs is decided once from the CPU
+// (__builtin_cpu_supports), so a build on one host runs the fast path of whichever CPU loads it.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "claims.h"
+#include "ops.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#define TIDAL_X86 1
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace tidal_cpu {
+namespace {
+
+constexpr int64_t kBlock = 16;           // output columns per packed block
+constexpr int64_t kTaskBytes = 1 << 19;  // weight bytes below which another thread costs more than it saves
+
+struct Problem {
+  const float* x;  // [M, K], rows x_stride apart
+  int64_t x_stride;
+  const uint8_t* w;        // packed weight
+  const float* scales;     // [blocks, groups, 16]
+  const float* offsets;    // [blocks, groups, 16] or null (symmetric int8 per channel)
+  const float* bias;       // [N] or null
+  float* out;              // [M, N]
+  int64_t m, n, k, bits, group_size, groups;
+};
+
+#ifdef TIDAL_X86
+
+namespace avx512 {
+#define TIDAL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+using V = __m512;
+TIDAL_TARGET inline V zero() { return _mm512_setzero_ps(); }
+TIDAL_TARGET inline V splat(float v) { return _mm512_set1_ps(v); }
+TIDAL_TARGET inline V load(const float* p) { return _mm512_loadu_ps(p); }
+TIDAL_TARGET inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+TIDAL_TARGET inline V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+TIDAL_TARGET inline V fmsub(V a, V b, V c) { return _mm512_fmsub_ps(a, b, c); }
+TIDAL_TARGET inline V widen_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+TIDAL_TARGET inline void widen_u4(const uint8_t* p, V& even, V& odd) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  even = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, nibble)));
+  odd = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nibble)));
+}
+TIDAL_TARGET inline void store(float* dst, V v, int64_t valid) {
+  _mm512_mask_storeu_ps(dst, valid >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1), v);
+}
+#include "linear_int_tile.h"
+#undef TIDAL_TARGET
+}  // namespace avx512
+
+namespace avx2 {
+#define TIDAL_TARGET __attribute__((target("avx2,fma")))
+struct V {
+  __m256 lo, hi;  // columns 0-7, 8-15 of the block
+};
+TIDAL_TARGET inline V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+TIDAL_TARGET inline V splat(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+TIDAL_TARGET inline V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+TIDAL_TARGET inline V add(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+TIDAL_TARGET inline V fmadd(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+TIDAL_TARGET inline V fmsub(V a, V b, V c) { return {_mm256_fmsub_ps(a.lo, b.lo, c.lo), _mm256_fmsub_ps(a.hi, b.hi, c.hi)}; }
+TIDAL_TARGET inline V widen_i8(const int8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)))};
+}
+TIDAL_TARGET inline void widen_u4(const uint8_t* p, V& even, V& odd) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(v, nibble), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+  even = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)))};
+  odd = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)))};
+}
+TIDAL_TARGET inline __m256i lanes_below(int64_t valid) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+TIDAL_TARGET inline void store(float* dst, V v, int64_t valid) {
+  if (valid >= kBlock) {
+    _mm256_storeu_ps(dst, v.lo);
+    _mm256_storeu_ps(dst + 8, v.hi);
+    return;
+  }
+  _mm256_maskstore_ps(dst, lanes_below(valid), v.lo);
+  if (valid > 8) _mm256_maskstore_ps(dst + 8, lanes_below(valid - 8), v.hi);
+}
+#include "linear_int_tile.h"
+#undef TIDAL_TARGET
+}  // namespace avx2
+
+// The instruction set the kernel runs with on this CPU: "avx512", "avx2", or "" (none: unsupported).
+const char* cpu_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    return "avx512";
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
+  return "";
+}
+
+#else
+
+const char* cpu_isa() { return ""; }
+
+#endif  // TIDAL_X86
+
+void run(const Problem& p, int64_t begin, int64_t end) {
+#ifdef TIDAL_X86
+  static const bool wide = std::string(cpu_isa()) == "avx512";
+  if (wide) return avx512::run(p, begin, end);
+  return avx2::run(p, begin, end);
+#endif
+}
+
+}  // namespace
+
+// x [..., K] float32 or bf16 (last dim contiguous); packed, scales, offsets as above; bits 8 or 4; group_size
+// inputs per scale (K for per channel). Returns [..., N] in x's dtype.
+at::Tensor linear_int(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& offsets, int64_t n, int64_t bits, int64_t group_size,
+                      const std::optional<at::Tensor>& bias) {
+  static const bool supported = *cpu_isa() != '\0';
+  TORCH_CHECK(supported, "linear_int needs a CPU with AVX2 and FMA");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a float32 or bf16 CPU tensor");
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+  const int64_t k = x.size(-1), blocks = (n + kBlock - 1) / kBlock;
+  TORCH_CHECK(group_size > 0 && (bits == 8 || (k % 2 == 0 && group_size % 2 == 0)),
+              "int4 needs an even K and group size (K=", k, ", group ", group_size, ")");
+  const int64_t groups = (k + group_size - 1) / group_size;
+  const int64_t line_inputs = bits == 8 ? k : k / 2;
+  TORCH_CHECK(packed.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == blocks && packed.size(1) == line_inputs && packed.size(2) == kBlock,
+              "packed weight has shape ", packed.sizes(), ", expected [", blocks, ", ", line_inputs, ", 16] for N=", n,
+              " K=", k, " bits=", bits);
+  auto check_per_group = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 && t.size(0) == blocks &&
+                    t.size(1) == groups && t.size(2) == kBlock,
+                name, " has shape ", t.sizes(), ", expected float32 [", blocks, ", ", groups, ", 16]");
+  };
+  check_per_group(scales, "scales");
+  if (offsets.has_value()) check_per_group(*offsets, "offsets");
+  TORCH_CHECK(offsets.has_value() || (bits == 8 && groups == 1), "only int8 per channel may omit the offsets");
+  at::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "bias must have N=", n, " values");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor rows = x.reshape({-1, k});
+  if (rows.scalar_type() != at::kFloat || rows.stride(1) != 1) rows = rows.to(at::kFloat).contiguous();
+  const int64_t m = rows.size(0);
+  at::Tensor out = at::empty({m, n}, rows.options());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  if (m > 0 && n > 0) {
+    Problem p{rows.data_ptr<float>(), rows.stride(0), static_cast<const uint8_t*>(packed.data_ptr()),
+              scales.data_ptr<float>(), offsets.has_value() ? offsets->data_ptr<float>() : nullptr,
+              bias.has_value() ? bias32.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+              m, n, k, bits, group_size, groups};
+    // split the blocks over threads only where each gets enough weight to stream
+    const int64_t block_bytes = line_inputs * kBlock;
+    const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, block_bytes * ((m + 3) / 4)));
+    tidal_cpu::parallel_claims(blocks, 1, (blocks + grain - 1) / grain,
+                               [&](int64_t begin, int64_t end, int64_t) { run(p, begin, end); });
+  }
+  out = out.view(shape);
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+std::string linear_int_isa() { return cpu_isa(); }
+
+}  // namespace tidal_cpu
+
+using namespace tidal_cpu;
+
+TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
+  m.def("linear_int(Tensor x, Tensor packed, Tensor scales, Tensor? offsets, int n, int bits, int group_size, "
+        "Tensor? bias) -> Tensor", &linear_int);
+  m.def("linear_int_isa() -> str", &linear_int_isa);
+}

@@ -1,0 +1,141 @@
+"""Weight-only quantized linears: int8 (per output channel) and int4 (per group of inputs) on CPU.
+
+A decode step at small batch reads every linear weight once, so its time is the bytes of the weights:
+int8 reads half of bf16, int4 a quarter (plus their scales). The weights are held as integers with
+float32 scales and dequantized inside the kernel (csrc/linear_int.cpp): w = (q - zero_point) * scale.
+
+They come from two places: ``--quantization int8|int4`` rounds a full-precision checkpoint's weights
+to the nearest step at load (``quantize``), and a compressed-tensors checkpoint carries them already
+(tidal/gpu/model/compressed.py). Either way each Linear gets a ``QuantizedWeight`` before packing, and
+``Linear.pack`` turns it into ``PackedInt`` (the kernel's layout) in place of the dense weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 16  # output columns per packed block (kBlock in csrc/linear_int.cpp)
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How weights are quantized: ``bits`` (8 or 4), inputs per scale (``group_size``; None: one scale per
+    output channel), and whether a zero point shifts the range (``symmetric=False``)."""
+
+    bits: int
+    group_size: int | None
+    symmetric: bool = True
+
+    def describe(self) -> str:
+        per = "per channel" if self.group_size is None else f"group {self.group_size}"
+        return f"int{self.bits} W{self.bits}A16 {per}{'' if self.symmetric else ' asymmetric'}"
+
+
+# --quantization: round-to-nearest at load (symmetric, as compressed-tensors' W8A16 and W4A16 presets)
+ON_THE_FLY = {"int8": Scheme(8, None), "int4": Scheme(4, 128)}
+
+
+@dataclass
+class QuantizedWeight:
+    """A [N, K] weight as integers ``q`` (int8 tensor holding values in [-2^(bits-1), 2^(bits-1) - 1]) with
+    float32 ``scales`` [N, groups] and optional integer ``zero_points`` [N, groups]: w = (q - zp) * scale."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zero_points: torch.Tensor | None
+    bits: int
+    group_size: int  # inputs per scale; K for one scale per channel
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] these integers stand for."""
+        k = self.q.shape[1]
+        q = self.q.float()
+        if self.zero_points is not None:
+            q = q - self.zero_points.float().repeat_interleave(self.group_size, dim=1)[:, :k]
+        return q * self.scales.repeat_interleave(self.group_size, dim=1)[:, :k]
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """The parts stacked along the output dimension (a fused q/k/v or gate/up weight)."""
+        first = parts[0]
+        if any(p.bits != first.bits or p.group_size != first.group_size for p in parts):
+            raise ValueError("parts of one fused linear are quantized differently")
+        zero_points = None
+        if any(p.zero_points is not None for p in parts):
+            zero_points = torch.cat([p.zero_points if p.zero_points is not None else torch.zeros_like(p.scales, dtype=torch.int8)
+                                     for p in parts])
+        return QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), zero_points,
+                               first.bits, first.group_size)
+
+
+def quantize(weight: torch.Tensor, scheme: Scheme) -> QuantizedWeight:
+    """``weight`` [N, K] rounded to the nearest of 2^bits steps per output channel or per group (symmetric:
+    the step is the largest magnitude / (2^(bits-1) - 1))."""
+    if not scheme.symmetric:
+        raise ValueError("on-the-fly quantization is symmetric only")
+    n, k = weight.shape
+    group = scheme.group_size or k
+    qmax = 2 ** (scheme.bits - 1) - 1
+    w = F.pad(weight.detach().float(), (0, -k % group)).view(n, -1, group)
+    scales = w.abs().amax(dim=2) / qmax
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group: any scale
+    q = torch.clamp(torch.round(w / scales[:, :, None]), -qmax - 1, qmax).to(torch.int8)
+    return QuantizedWeight(q.view(n, -1)[:, :k].contiguous(), scales, None, scheme.bits, group)
+
+
+class PackedInt:
+    """A ``QuantizedWeight`` in the kernel's layout (csrc/linear_int.cpp): ``packed`` [blocks, K or K/2, 16],
+    ``scales`` and ``offsets`` float32 [blocks, groups, 16] (offset = zero point * scale, plus 8 * scale for
+    int4, which is stored unsigned), or no offsets for symmetric int8 per channel."""
+
+    def __init__(self, weight: QuantizedWeight, ops) -> None:
+        n, k = weight.q.shape
+        if weight.bits == 4 and (k % 2 or weight.group_size % 2):
+            raise ValueError(f"int4 weights need an even input size and group size (K={k}, group {weight.group_size})")
+        self.n, self.k, self.bits, self.group_size = n, k, weight.bits, weight.group_size
+        self._ops = ops
+        blocks = -(-n // BLOCK)
+        q = F.pad(weight.q, (0, 0, 0, blocks * BLOCK - n)).view(blocks, BLOCK, k)
+        if weight.bits == 8:
+            self.packed = q.transpose(1, 2).contiguous()
+        else:
+            u = (q.to(torch.int16) + 8).to(torch.uint8).view(blocks, BLOCK, k // 2, 2)
+            self.packed = (u[..., 0] | (u[..., 1] << 4)).transpose(1, 2).contiguous()
+        scales = weight.scales.float()
+        offsets = None
+        if weight.zero_points is not None:
+            offsets = weight.zero_points.float() * scales
+        if weight.bits == 4:
+            offsets = (offsets if offsets is not None else 0) + 8 * scales
+        elif offsets is None and scales.shape[1] != 1:
+            offsets = torch.zeros_like(scales)
+        self.scales = self._blocked(scales, blocks)
+        self.offsets = None if offsets is None else self._blocked(offsets, blocks)
+
+    @staticmethod
+    def _blocked(per_column: torch.Tensor, blocks: int) -> torch.Tensor:
+        """[N, groups] -> [blocks, groups, 16], padding columns 0."""
+        padded = F.pad(per_column, (0, 0, 0, blocks * BLOCK - per_column.shape[0]))
+        return padded.view(blocks, BLOCK, -1).transpose(1, 2).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a step reads: the integers, scales and offsets."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.offsets) if t is not None)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._ops.linear_int(x, self.packed, self.scales, self.offsets, self.n, self.bits, self.group_size, bias)
+
+
+def int_linear_ops(device: torch.device | str):
+    """``torch.ops.tidal_cpu`` when its int8/int4 linear can run here (a CPU with AVX2+FMA or AVX-512 and the
+    kernels built), else None."""
+    if torch.device(device).type != "cpu":
+        return None
+    from tidal.gpu.cpu.kernels import load_cpu_ops
+
+    ops = load_cpu_ops()
+    return ops if ops is not None and ops.linear_int_isa() else None
