@@ -64,6 +64,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     model: str
     dtype: str = "auto"
+    quantization: str | None = None  # "int8" / "int4": quantize the linear weights at load (CPU)
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256

@@ -20,7 +20,7 @@ from tidal.gpu.model.attention import select_attention_backend
 from tidal.gpu.cuda_graphs import CudaGraphs, capture_sizes
 from tidal.gpu.forward_batch import ForwardBatch
 from tidal.gpu.model.config import ModelConfig
-from tidal.gpu.model.loader import checkpoint_weight_dtype, load_model, resolve_model_dir
+from tidal.gpu.model.loader import checkpoint_weight_dtype, load_model, quantized_weights_note, resolve_model_dir
 from tidal.gpu.model.precision import resolve_precision
 from tidal.gpu.sequence import Sequence
 from tidal.gpu.model.synthetic_model import SYNTHETIC_MODEL_NAME, SyntheticModel
@@ -65,7 +65,8 @@ class ModelRunner:
             self.model = SyntheticModel(self.model_config, self.device)
         else:
             self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, self.attention,
-                                                       self.tp, self.linear_weights)
+                                                       self.tp, self.linear_weights, config.quantization)
+            self.dtype_reason += quantized_weights_note(self.model)
         mc = self.model_config
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

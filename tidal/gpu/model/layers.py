@@ -16,6 +16,7 @@ from torch import nn
 
 from tidal.gpu.cpu import huge_pages
 from tidal.gpu.cpu import features
+from tidal.gpu.model import quantization
 
 
 def _empty_parameter(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
@@ -141,6 +142,8 @@ class Linear(nn.Module):
         self._gemv_rows: int | None = None  # with a oneDNN copy too, calls of up to this many rows run the kernel
         self.avx2_packed: torch.Tensor | None = None  # float32 model, bf16-stored weight (pack_avx2_weight)
         self._avx2 = None  # torch.ops.tidal_cpu once avx2_packed is set
+        self.quantized: quantization.QuantizedWeight | None = None  # set before pack(): int8/int4 weights
+        self.int_packed: quantization.PackedInt | None = None  # the int kernel's layout, once packed
 
     @classmethod
     def packed_from(cls, weight: torch.Tensor, weight_dtype: torch.dtype | None = None) -> Linear:
@@ -154,7 +157,12 @@ class Linear(nn.Module):
     def pack(self, weight_dtype: torch.dtype | None = None) -> None:
         """Pack the weight for this CPU's fastest path. ``weight_dtype=torch.bfloat16`` on a float32 weight:
         store it in bf16 for the AVX2 kernel (exact where the values are bf16, as from a bf16 checkpoint);
-        without the kernel the weight stays float32 (then a float32 weight is left plain)."""
+        without the kernel the weight stays float32 (then a float32 weight is left plain). A Linear given
+        ``quantized`` weights packs those for the int8/int4 kernel instead, whatever ``weight_dtype``."""
+        if self.quantized is not None:
+            self.int_packed = quantization.PackedInt(self.quantized, quantization.int_linear_ops(self.weight.device))
+            self.quantized = self.weight = None
+            return
         if self.weight.dtype == torch.float32:
             ops = avx2_linear_ops(self.weight.device) if weight_dtype == torch.bfloat16 else None
             if ops is not None:
@@ -172,6 +180,8 @@ class Linear(nn.Module):
         self.weight = None  # the plain copy would double the memory
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int_packed is not None:
+            return self.int_packed.linear(x, self.bias)
         if self._avx2 is not None:
             return self._avx2.linear_avx2(x, self.avx2_packed, self.out_features, self.bias)
         if self._gemv is not None and (self._gemv_rows is None or x.shape[0] <= self._gemv_rows):
@@ -184,8 +194,9 @@ class Linear(nn.Module):
 def place_kernel_weights(linears: list[Linear]) -> None:
     """Move the weights packed for tidal's CPU kernels into huge pages (tidal/gpu/cpu/huge_pages.py): a
     decode step streams them all, and streams faster from 2 MiB pages."""
-    huge_pages.place([(linear, name) for linear in linears for name in ("gemv_packed", "avx2_packed")
-                      if getattr(linear, name) is not None])
+    owners = [(linear, name) for linear in linears for name in ("gemv_packed", "avx2_packed")
+              if getattr(linear, name) is not None]
+    huge_pages.place(owners + [(linear.int_packed, "packed") for linear in linears if linear.int_packed is not None])
 
 
 def cpu_layer_ops(dtype: torch.dtype, device: torch.device | str):

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import torch
 
-from tidal.gpu.model import tiny_model
-from tidal.gpu.model.layers import packs_weights
+from tidal.gpu.model import compressed, quantization, tiny_model
+from tidal.gpu.model.layers import Linear, packs_weights
 from tidal.gpu.model.config import ModelConfig
 from tidal.gpu.model.registry import LlamaForCausalLM, model_class
 
@@ -37,25 +37,52 @@ def resolve_model_dir(name: str) -> str:
 
 def load_model(
     model_dir: str, dtype: torch.dtype, device: torch.device, attention, tp=None,
-    linear_weights: torch.dtype | None = None,
+    linear_weights: torch.dtype | None = None, quantize: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model of ``model_dir`` on ``device`` in ``dtype`` and load its weights.
 
     With ``tp`` (tensor parallelism) the model is this rank's shard, and only its slices of the
     checkpoint are read (``lazy`` safetensors slices). ``linear_weights=torch.bfloat16`` with a float32
     ``dtype``: the linear weights are stored in bf16 once loaded (``precision.Precision``, the AVX2 path).
+    ``quantize`` ("int8"/"int4", ``quantization.ON_THE_FLY``) rounds the decoder's linear weights at load;
+    a compressed-tensors checkpoint (``compressed.py``) brings its own integers and scales.
     """
     config = ModelConfig.from_dir(model_dir)
+    checkpoint = compressed.CompressedCheckpoint.read(model_dir)
+    if quantize is not None and checkpoint is not None:
+        raise ValueError(f"--quantization {quantize}: the checkpoint is already quantized ({checkpoint.describe()})")
+    if (quantize is not None or checkpoint is not None and checkpoint.keeps_integers) and (
+            tp is not None or torch.device(device).type != "cpu" or quantization.int_linear_ops(device) is None):
+        raise ValueError("int8/int4 weights run on CPU only, on one process (no tensor parallelism) with the C++ "
+                         "kernels built (AVX2+FMA): " + (f"--quantization {quantize}" if quantize else checkpoint.describe()))
     model = model_class(config)(config, attention, dtype=dtype, device=device, tp=tp)
     if tiny_model.has_generated_weights(model_dir, config):
         weights = tiny_model.generate_weights(config, tiny_model.special_token_ids(model_dir), config.init_seed)
         model.load_weights(weights.items())
+    elif checkpoint is not None:
+        model.load_weights(checkpoint.decompress(iter_safetensors(model_dir)))
     else:
         model.load_weights(iter_safetensors(model_dir, lazy=tp is not None))
     model.eval()
-    if packs_weights(dtype, device, linear_weights):
+    decoder_linears = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
+    if quantize is not None:
+        quantization.quantize_linears(decoder_linears, quantization.ON_THE_FLY[quantize])
+    elif checkpoint is not None and checkpoint.keeps_integers:
+        checkpoint.attach(dict(model.named_modules()))
+    if any(linear.quantized is not None for linear in decoder_linears) or packs_weights(dtype, device, linear_weights):
         model.pack_weights(linear_weights if linear_weights != dtype else None)
     return model, config
+
+
+def quantized_weights_note(model) -> str:
+    """For the ready line: "; int8 weights: 1.2 MB int + 0.5 MB dense per step" when any linear is quantized."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    schemes = sorted({f"int{m.int_packed.bits}" for m in linears if m.int_packed is not None})
+    if not schemes:
+        return ""
+    quantized, dense = quantization.weight_bytes(linears)
+    return (f"; {'+'.join(schemes)} weights: {quantized / 1e6:.1f} MB quantized + {dense / 1e6:.1f} MB dense "
+            f"linear weights read per step")
 
 
 def checkpoint_weight_dtype(model_dir: str) -> torch.dtype | None:

@@ -86,6 +86,27 @@ def quantize(weight: torch.Tensor, scheme: Scheme) -> QuantizedWeight:
     return QuantizedWeight(q.view(n, -1)[:, :k].contiguous(), scales, None, scheme.bits, group)
 
 
+def quantize_linears(linears, scheme: Scheme) -> None:
+    """Give each Linear the quantized form of its weight, for ``Linear.pack`` to pack."""
+    for linear in linears:
+        linear.quantized = quantize(linear.weight, scheme)
+
+
+def weight_bytes(linears) -> tuple[int, int]:
+    """(bytes of quantized weights with their scales, bytes of the other linear weights) a step reads."""
+    quantized = dense = 0
+    for linear in linears:
+        if linear.int_packed is not None:
+            quantized += linear.int_packed.nbytes
+            continue
+        for name in ("weight", "packed", "gemv_packed", "avx2_packed"):
+            tensor = getattr(linear, name)
+            if tensor is not None:
+                dense += tensor.numel() * tensor.element_size()
+                break
+    return quantized, dense
+
+
 class PackedInt:
     """A ``QuantizedWeight`` in the kernel's layout (csrc/linear_int.cpp): ``packed`` [blocks, K or K/2, 16],
     ``scales`` and ``offsets`` float32 [blocks, groups, 16] (offset = zero point * scale, plus 8 * scale for

@@ -1,0 +1,166 @@
+"""Quantized models compute what their weights say: tidal (float32 activations, int8/int4 kernel or FP8
+dequantized at load) against transformers over the dequantized weights, logits within 1e-3 and the same
+greedy tokens; for compressed-tensors checkpoints (made with compressed-tensors' own compressors, the
+reference decompressed by compressed-tensors) and for --quantization int8/int4 on a dense checkpoint.
+Inconsistent or unsupported checkpoints fail to load with a message naming the tensor or the scheme."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hf_models import hf_greedy, load_hf_model, make_hf_model
+from paged_batch import PagedCache, Sequence, build_batch
+from tidal.gpu.model.attention import TorchPagedAttention
+from tidal.gpu.model.loader import load_model
+from tidal.gpu.model.quantization import ON_THE_FLY, int_linear_ops, quantize
+
+pytest.importorskip("compressed_tensors")
+from quantized_checkpoints import write_compressed  # noqa: E402 - needs compressed_tensors
+
+PROMPT = [0, 1013, 318, 2047, 57, 4000, 911, 12, 8000, 333, 77]
+NEW_TOKENS = 12
+SIZES = dict(hidden_size=128, head_dim=32, intermediate_size=256)  # whole groups of 128 inputs
+
+SCHEMES = {  # name -> (preset, format, weight argument overrides)
+    "w4a16": ("W4A16", "pack-quantized", {}),
+    "w4a16-asym-g64": ("W4A16", "pack-quantized", {"symmetric": False, "group_size": 64}),
+    "w8a16-channel": ("W8A16", "pack-quantized", {"strategy": "channel", "group_size": None}),
+    "w8a16-int-quantized": ("W8A16", "int-quantized", {}),
+    "fp8": ("FP8", "float-quantized", {}),
+    "fp8-channel": ("FP8", "float-quantized", {"strategy": "channel"}),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    if int_linear_ops("cpu") is None:
+        pytest.skip("the int linear kernel needs a CPU with AVX2+FMA and the C++ kernels built")
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    made: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in made:
+            made[arch] = make_hf_model(arch, tmp_path_factory.mktemp(arch), seed=len(made) + 1, **SIZES)
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def compressed_dir(dense_dir, tmp_path_factory):
+    def get(arch: str, scheme: str) -> str:
+        preset, fmt, overrides = SCHEMES[scheme]
+        return write_compressed(dense_dir(arch), tmp_path_factory.mktemp(f"{arch}-{scheme}"), preset, fmt, **overrides)
+
+    return get
+
+
+def load(model_dir: str, quantize_at_load: str | None = None):
+    return load_model(model_dir, torch.float32, torch.device("cpu"), TorchPagedAttention(), quantize=quantize_at_load)
+
+
+def tidal_prompt_logits(model, config) -> torch.Tensor:
+    cache = PagedCache(config)
+    with torch.inference_mode():
+        batch = build_batch(cache, [], [(Sequence(tokens=list(PROMPT)), len(PROMPT))])
+        return model.compute_logits(model(batch, cache.kv_caches))
+
+
+def tidal_greedy(model, config) -> list[int]:
+    cache = PagedCache(config)
+    seq = Sequence(tokens=list(PROMPT))
+    batch = build_batch(cache, [], [(seq, len(PROMPT))])
+    out = []
+    with torch.inference_mode():
+        while True:
+            hidden = model(batch, cache.kv_caches)
+            out.append(int(model.compute_logits(hidden[batch.logits_indices])[-1].argmax()))
+            if len(out) == NEW_TOKENS:
+                return out
+            seq.tokens.append(out[-1])
+            batch = build_batch(cache, [seq], [])
+
+
+def assert_matches_transformers(model, config, reference_dir: str) -> None:
+    hf = load_hf_model(reference_dir)
+    with torch.no_grad():
+        expected = hf(torch.tensor([PROMPT])).logits[0].float()
+    torch.testing.assert_close(tidal_prompt_logits(model, config), expected, rtol=0, atol=1e-3)
+    tokens = hf_greedy(hf, PROMPT, NEW_TOKENS)
+    assert tidal_greedy(model, config) == tokens
+    assert len(set(tokens)) > 1  # the comparison means something only if the output varies
+
+
+def int_linears(model) -> list:
+    return [m for m in model.modules() if getattr(m, "int_packed", None) is not None]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_w4a16_checkpoint_matches_transformers(compressed_dir, arch):
+    model_dir = compressed_dir(arch, "w4a16")
+    model, config = load(model_dir)
+    assert len(int_linears(model)) == 4 * 2 and all(m.int_packed.bits == 4 for m in int_linears(model))
+    assert_matches_transformers(model, config, os.path.join(model_dir, "reference"))
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-asym-g64", "w8a16-channel", "w8a16-int-quantized", "fp8", "fp8-channel"])
+def test_each_scheme_matches_transformers(compressed_dir, scheme):
+    model_dir = compressed_dir("llama", scheme)
+    model, config = load(model_dir)
+    assert len(int_linears(model)) == (0 if scheme.startswith("fp8") else 8)
+    assert_matches_transformers(model, config, os.path.join(model_dir, "reference"))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantization_at_load_matches_transformers_on_the_rounded_weights(dense_dir, tmp_path, scheme):
+    hf = load_hf_model(dense_dir("qwen2"))
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if ".layers." in name and name.endswith("_proj"):
+                module.weight.copy_(quantize(module.weight, ON_THE_FLY[scheme]).dequantize())
+    hf.save_pretrained(tmp_path)
+    model, config = load(dense_dir("qwen2"), scheme)
+    assert len(int_linears(model)) == 8
+    assert_matches_transformers(model, config, str(tmp_path))
+
+
+def test_quantization_at_load_refuses_an_already_quantized_checkpoint(compressed_dir):
+    with pytest.raises(ValueError, match="already quantized"):
+        load(compressed_dir("llama", "w4a16"), "int8")
+
+
+def test_a_scale_of_the_wrong_shape_fails_to_load(compressed_dir, tmp_path):
+    source = compressed_dir("llama", "w4a16")
+    for entry in os.listdir(source):
+        if os.path.isfile(os.path.join(source, entry)):
+            (tmp_path / entry).write_bytes(open(os.path.join(source, entry), "rb").read())
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+    tensors[name] = tensors[name][:, :1].contiguous()
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"down_proj.weight_scale has shape \(128, 1\), expected \(128, 2\)"):
+        load(str(tmp_path))
+
+
+@pytest.mark.parametrize("weights, activations, message", [
+    ({"num_bits": 8, "type": "int", "strategy": "channel"}, {"num_bits": 8, "type": "int", "strategy": "token"},
+     "unsupported compressed-tensors scheme: int8 W8A8 per channel"),
+    ({"num_bits": 2, "type": "int", "strategy": "group", "group_size": 128}, None, "int2 W2A16 group 128"),
+    ({"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}, None, "FP4 W4A16 tensor_group 16"),
+])
+def test_an_unsupported_scheme_is_refused_naming_it(compressed_dir, tmp_path, weights, activations, message):
+    source = compressed_dir("llama", "w4a16")
+    config = json.loads(open(os.path.join(source, "config.json")).read())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"] = weights
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = activations
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load(str(tmp_path))
