@@ -123,9 +123,14 @@ def test_tool_choice_none_and_multi_turn_history(client):
             "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
+    # the grammar makes the model write a well-formed call, which "auto" would parse (test above): "none"
+    # must leave it as text
     out = client.chat.completions.create(model="tidal-tiny", messages=messages, tools=TOOLS, tool_choice="none",
-                                         max_tokens=4)
-    assert out.choices[0].finish_reason == "length" and not out.choices[0].message.tool_calls
+                                         max_tokens=200,
+                                         extra_body={"guided_grammar": f"root ::= {json.dumps(HERMES_CALL)}"})
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert choice.message.content == HERMES_CALL
 
 
 @pytest.mark.parametrize("extra, param", [
