@@ -112,6 +112,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="The model's tool-call format, parsed into message.tool_calls under tool_choice 'auto' "
                         "(hermes: Qwen2/Qwen3 <tool_call>; llama3_json; mistral [TOOL_CALLS]). "
                         "tool_choice 'required' or a named function needs no parser.")
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="Split the model's thinking (<think>...</think>) into message.reasoning_content "
+                        "(chat) and reasoning items (Responses); output constraints apply after it ends.")
 
     g = p.add_argument_group("admission and backpressure (see docs/admission.md)")
     g.add_argument("--max-queued-requests", type=_queue_bound, default=256,
@@ -189,6 +192,7 @@ def server_config(args: argparse.Namespace):
         engine_restarts=args.engine_restarts,
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         ui=args.ui,
     )
 

@@ -34,6 +34,7 @@ class ServerConfig:
     engine_restarts: int | None = None  # restarts in a row of a dead replica; None: 5 if several, else 0
     log_level: str = "info"
     tool_call_parser: str | None = None  # the model's tool-call format, parsed under tool_choice "auto"
+    reasoning_parser: str | None = None  # the model's thinking format (tidal/openai/reasoning.py)
     ui: bool = True  # the chat page at / (docs/ui.md)
     extra: dict = field(default_factory=dict)
 

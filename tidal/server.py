@@ -86,7 +86,7 @@ class Server:
             frontend = self.frontend = Frontend(cfg, self.engine, self.metrics,
                                                 ready.max_num_seqs * cfg.data_parallel_size)
             api = Api(frontend, tokenizer, cfg.model_name, ready.max_model_len, ready.vocab_size,
-                      cfg.tool_call_parser)
+                      cfg.tool_call_parser, cfg.reasoning_parser)
             app = create_app(api, cfg.api_key, cfg.max_request_body_bytes,
                              lambda: self.metrics.render(self.engine.stats, len(frontend.active),
                                                          self.engine.snapshot()),

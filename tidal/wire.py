@@ -28,10 +28,13 @@ class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
     ``kind`` "json_schema": ``spec`` is the schema as canonical JSON text (also the cache key);
     "json_object": any JSON object (``spec`` empty); "regex": a regular expression;
     "choice": a JSON list of the allowed strings; "grammar": an EBNF (GBNF) grammar.
+    ``after``: token ids (a reasoning model's ``</think>``) the output must end with before the
+    constraint applies; the text before them is free (empty: from the first token).
     """
 
     kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
     spec: str = ""
+    after: tuple[int, ...] = ()
 
 
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):

@@ -1,5 +1,9 @@
 """One live ``tidal serve`` for tests/apis (package scope): the think model, an API key, the qwen3
-reasoning parser and the hermes tool-call parser."""
+reasoning parser and the hermes tool-call parser.
+
+The model has random weights: where a test needs it to think, a regex constraint on a prompt
+that closed the thinking (``enable_thinking: false``, so the constraint is not gated) makes it
+write ``<think>...</think>`` itself, tags and all, in several tokens each."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ def think_model(tmp_path_factory):
 def server(think_model):
     with LiveServer("--model", think_model, "--served-model-name", SERVED_MODEL, "--api-key", API_KEY,
                     "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "128", "--dtype", "float32",
-                    "--no-ui") as s:
+                    "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--no-ui") as s:
         yield s
 
 

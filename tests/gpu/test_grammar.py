@@ -87,3 +87,19 @@ def test_abort_while_the_grammar_compiles_frees_everything(engine):
     report = engine.take_report()
     assert report.finished == [500] and not report.outputs
     assert not engine.has_work()
+
+
+def test_a_gated_constraint_applies_only_after_its_gate_ids(engine):
+    """A reasoning model's constraint waits for ``</think>``: the tokens up to the gate are the
+    model's own (a greedy request's), the grammar holds from the next token on."""
+    _, free_outputs = run(engine, {500: SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)})
+    free_ids = [t for out in free_outputs[500] for t in out.token_ids]
+    gate = tuple(free_ids[2:4])
+    cut = next(i for i in range(len(free_ids)) if tuple(free_ids[i:i + 2]) == gate) + 2
+    choice = StructuredOutput("choice", json.dumps(["alpha", "beta"]), after=gate)
+    texts, outputs = run(engine, {501: SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                      structured=choice)})
+    ids = [t for out in outputs[501] for t in out.token_ids]
+    assert ids[:cut] == free_ids[:cut]
+    assert texts[501].endswith(("alpha", "beta")) and outputs[501][-1].finish_reason == "stop", texts[501]
+    assert len(ids) < 40

@@ -16,6 +16,10 @@ Life of a constrained request:
 4. ``Grammars.accept`` advances the matcher by the sampled token; once the grammar is
    complete only the stop tokens stay allowed, so the request ends with ``"stop"``.
 
+A constraint with ``after`` (a reasoning model's ``</think>``) is gated: its rows are left
+unmasked and its matcher untouched until the output ends with those ids; the grammar starts
+at the next token.
+
 JSON is compact (no free whitespace, ``,`` and ``:`` separators): with any whitespace a
 random-weight model can emit whitespace forever, never closing the object.
 """
@@ -69,6 +73,7 @@ class Grammars:
         self._compiled: dict[tuple[str, str], Future] = {}  # insertion order = age (small LRU)
         self._waiting: dict[int, tuple["Sequence", Future]] = {}  # request id -> compile
         self._matchers: dict[int, Any] = {}  # request id -> xgrammar.GrammarMatcher
+        self._gates: dict[int, tuple[int, ...]] = {}  # request id -> the ids that open its grammar
         self._bitmask: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ compiling
@@ -135,12 +140,15 @@ class Grammars:
                 continue
             del self._waiting[request_id]
             self._matchers[request_id] = xgr.GrammarMatcher(compiled)
+            if seq.params.structured.after:
+                self._gates[request_id] = seq.params.structured.after
             ready.append((seq, None))
         return ready
 
     def discard(self, request_id: int) -> bool:
         """Forget a request (finished or aborted). True if it was still waiting for its compile."""
         self._matchers.pop(request_id, None)
+        self._gates.pop(request_id, None)
         return self._waiting.pop(request_id, None) is not None
 
     # ------------------------------------------------------------------ the step
@@ -150,7 +158,7 @@ class Grammars:
         if not self._matchers:
             return
         rows = [(i, self._matchers[seq.request_id]) for i, seq in enumerate(sampling)
-                if seq.request_id in self._matchers]
+                if seq.request_id in self._matchers and seq.request_id not in self._gates]
         if not rows:
             return
         import xgrammar as xgr
@@ -184,6 +192,11 @@ class Grammars:
         """Advance the request's matcher by its sampled token. True once the grammar is complete."""
         matcher = self._matchers.get(seq.request_id)
         if matcher is None:
+            return False
+        gate = self._gates.get(seq.request_id)
+        if gate is not None:  # still free (thinking): the grammar starts after the gate's last id
+            if tuple(seq.output_token_ids[-len(gate):]) == gate:
+                del self._gates[seq.request_id]
             return False
         if not matcher.accept_token(token_id):
             log.error("request %d: sampled token %d is outside its grammar", seq.request_id, token_id)

@@ -146,9 +146,11 @@ class Connection:
                 while not reader.done:
                     text = await reader.next_delta()
                     finish = reader.finish_reason
-                    if finish is None and not text:
+                    reasoning = reader.take_reasoning()
+                    if finish is None and not text and not reasoning:
                         continue
-                    await self.send((prefix + encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls) + b"}").decode())
+                    chunk = encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls, reasoning)
+                    await self.send((prefix + chunk + b"}").decode())
                 await self.send(_encode({"type": "done", "id": rid, "usage": reader.usage()}).decode())
             if scope.cancelled_caught:  # the client sent "cancel"
                 if active is not None:

@@ -60,23 +60,27 @@ class ChunkEncoder:
         return prefix + _json_encode(text) + self._content_tail
 
     def chunk_json(self, text: str, finish_reason: str | None, logprobs: Any = None,
-                   tool_calls: list[dict[str, Any]] | None = None) -> bytes:
+                   tool_calls: list[dict[str, Any]] | None = None, reasoning: str | None = None) -> bytes:
         """One chunk as JSON bytes: the first chat chunk also carries the role."""
-        if tool_calls:
-            return self._tool_calls_chunk(text, finish_reason, logprobs, tool_calls)
+        if tool_calls or reasoning:
+            return self._delta_chunk(text, finish_reason, logprobs, tool_calls, reasoning)
         prefix = self._next if self._sent_first else self._first
         self._sent_first = True
         reason = b"null" if finish_reason is None else _json_encode(finish_reason)
         lp = b"null" if logprobs is None else _json_encode(logprobs)
         return prefix + _json_encode(text) + self._mid + lp + b',"finish_reason":' + reason + b"}]}"
 
-    def _tool_calls_chunk(self, text: str, finish_reason: str | None, logprobs: Any,
-                          tool_calls: list[dict[str, Any]]) -> bytes:
-        """The chunk that carries a chat message's tool calls (whole: name and all arguments)."""
+    def _delta_chunk(self, text: str, finish_reason: str | None, logprobs: Any,
+                     tool_calls: list[dict[str, Any]] | None, reasoning: str | None) -> bytes:
+        """A chat chunk that carries thinking (``reasoning_content``) or the message's tool calls
+        (whole: name and all arguments)."""
         delta: dict[str, Any] = {} if self._sent_first else {"role": "assistant"}
         self._sent_first = True
         delta["content"] = text or None
-        delta["tool_calls"] = tool_calls
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._head + b',"choices":[' + _json_encode(choice) + b"]}"
 
@@ -85,9 +89,11 @@ class ChunkEncoder:
 
     def full_response(self, text: str, finish_reason: str | None, usage_obj: dict[str, Any],
                       stop_reason: str | int | None, logprobs: Any = None,
-                      tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                      tool_calls: list[dict[str, Any]] | None = None, reasoning: str | None = None) -> dict[str, Any]:
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             if tool_calls:
                 message["content"] = text or None
                 message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in tool_calls]

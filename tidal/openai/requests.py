@@ -280,6 +280,7 @@ class Validated:
     tools: ToolUse | None = None
     kind: Literal["chat", "completions"] = "chat"
     n: int = 1
+    thinking: str | None = None  # with a reasoning parser, where the prompt leaves the thinking (reasoning.py)
 
 
 MAX_N = 16  # choices per request; each counts as one sequence against the admission bounds

@@ -7,6 +7,7 @@ the engine's first output (or the error that ended it) so the status is known be
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -20,11 +21,13 @@ from tidal.openai.choices import ChoicesSseBody, collect_choices
 from tidal.openai.encoding import ChunkEncoder
 from tidal.openai.requests import (MAX_N, Validated, chat_messages, completion_prompt, fit_max_tokens, parse_body,
                                    template_kwargs, validate)
+from tidal.openai.reasoning import THINK_END, ReasoningSplitter, prompt_state
 from tidal.openai.streaming import OutputReader, SseBody, collect
 from tidal.openai.token_logprobs import LogprobsFormatter, TokenTexts
 from tidal.openai.tool_calls import ToolCallStream
 from tidal.tokenizer import PromptTokenizer
 
+PROMPT_TAIL_TOKENS = 32  # the prompt's end that says whether a template opened or closed the thinking
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -44,13 +47,16 @@ class Api:
     """Everything a route needs, held by the app (no module globals)."""
 
     def __init__(self, frontend: Frontend, tokenizer: PromptTokenizer, model_name: str, max_model_len: int,
-                 vocab_size: int, tool_call_parser: str | None = None):
+                 vocab_size: int, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.frontend = frontend
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
+        # the ids a gated constraint waits for (one token in Qwen3's and R1's vocabularies)
+        self._think_end_ids = tuple(tokenizer.tokenizer.encode(THINK_END, add_special_tokens=False)) if reasoning_parser else ()
         self.token_texts = TokenTexts(tokenizer.tokenizer.backend_tokenizer)
 
     def tool_call_stream(self, checked: Validated) -> ToolCallStream | None:
@@ -99,6 +105,8 @@ class Api:
                 prompt_ids = list(prompt)
         if checked.n > max_n:
             raise bad_request("n > 1 is supported on /v1/chat/completions and /v1/completions only", "n")
+        if kind == "chat" and self.reasoning_parser is not None:
+            checked = self._with_thinking(checked, prompt_ids)
         params = fit_max_tokens(checked, len(prompt_ids), self.max_model_len)
         first = self.frontend.open_request(prompt_ids, params, checked.priority)
         actives = [first]
@@ -108,6 +116,20 @@ class Api:
             actives.append(self.frontend.open_request(prompt_ids, choice, checked.priority, fork_of=first.request_id))
         return actives, checked
 
+    def _with_thinking(self, checked: Validated, prompt_ids: list[int]) -> Validated:
+        """Note where the prompt leaves the thinking; unless it closed it, a constraint waits for ``</think>``."""
+        thinking = prompt_state(self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+        structured = checked.params.structured
+        if structured is not None and thinking != "closed":
+            gated = msgspec.structs.replace(structured, after=self._think_end_ids)
+            checked = dataclasses.replace(checked, params=msgspec.structs.replace(checked.params, structured=gated))
+        return dataclasses.replace(checked, thinking=thinking)
+
+    def reasoning_splitter(self, checked: Validated) -> ReasoningSplitter | None:
+        if checked.thinking is None:
+            return None
+        return ReasoningSplitter(self.reasoning_parser, checked.thinking)  # type: ignore[arg-type]
+
     async def first_output(self, active: ActiveRequest, checked: Validated) -> OutputReader:
         """Wait for the request's first output (raises the ApiError that ended it before); the
         reader of the rest, in deltas of the request's stream interval (one delta without stream)."""
@@ -116,7 +138,8 @@ class Api:
             raise bad_request(first.error, checked.structured_param)
         interval = (checked.stream_interval or self.frontend.config.stream_interval) if checked.stream else math.inf
         return OutputReader(self.frontend, active, first, interval,  # type: ignore[arg-type]
-                            self.logprobs_formatter(checked), self.tool_call_stream(checked))
+                            self.logprobs_formatter(checked), self.tool_call_stream(checked),
+                            self.reasoning_splitter(checked))
 
     async def respond(self, kind: str, body: bytes | dict, scope: dict) -> Answer:
         """A completion request's answer, for any transport: (status, headers, body), the body

@@ -19,6 +19,7 @@ from tidal.frontend import Frontend
 from tidal.lifecycle import ActiveRequest
 from tidal.openai.encoding import SSE_DONE, ChunkEncoder, sse, usage
 from tidal.errors import ApiError
+from tidal.openai.reasoning import ReasoningSplitter
 from tidal.openai.token_logprobs import LogprobsFormatter
 from tidal.openai.tool_calls import ToolCallStream
 from tidal.wire import Logprobs, RequestOutput
@@ -31,7 +32,8 @@ class OutputReader:
     """
 
     def __init__(self, frontend: Frontend, request: ActiveRequest, first: RequestOutput, stream_interval: int,
-                 logprobs: LogprobsFormatter | None = None, tool_calls: ToolCallStream | None = None):
+                 logprobs: LogprobsFormatter | None = None, tool_calls: ToolCallStream | None = None,
+                 reasoning: ReasoningSplitter | None = None):
         self.frontend = frontend
         self.request = request
         self.stream_interval = stream_interval
@@ -40,6 +42,8 @@ class OutputReader:
         self._logprob_values = Logprobs([], [], [])
         self._tool_calls = tool_calls  # reads tool calls out of the text (chat with tools)
         self.tool_calls: list[dict[str, Any]] | None = None  # the calls, once the request is over
+        self._reasoning = reasoning  # splits the model's thinking out of the text (--reasoning-parser)
+        self._reasoning_parts: list[str] = []  # thinking read but not yet taken
         self._first: RequestOutput | None = first
         self.num_tokens = 0
         self.num_cached_tokens = first.num_cached_tokens
@@ -84,7 +88,16 @@ class OutputReader:
                 return self._content("".join(text_parts), final=False)
 
     def _content(self, text: str, final: bool) -> str:
-        """The message content in ``text``; tool calls are held back and set at the end."""
+        """The message content in ``text``: thinking is set aside (``take_reasoning``) first, then
+        tool calls are held back and set at the end."""
+        splitter = self._reasoning
+        if splitter is not None:
+            reasoning, text = splitter.feed(text)
+            if final:
+                tail_reasoning, tail = splitter.finish()
+                reasoning, text = reasoning + tail_reasoning, text + tail
+            if reasoning:
+                self._reasoning_parts.append(reasoning)
         calls = self._tool_calls
         if calls is None:
             return text
@@ -107,6 +120,18 @@ class OutputReader:
     def has_output(self) -> bool:
         """Output is waiting to be read (reading it will not block)."""
         return self._first is not None or self.request.mailbox.has_pending
+
+    def take_reasoning(self) -> str | None:
+        """The thinking read since the last call (None without a reasoning parser or nothing new)."""
+        if not self._reasoning_parts:
+            return None
+        text = "".join(self._reasoning_parts)
+        self._reasoning_parts = []
+        return text
+
+    @property
+    def splits_reasoning(self) -> bool:
+        return self._reasoning is not None
 
     def take_logprobs(self) -> dict[str, Any] | None:
         """The OpenAI logprobs object of the tokens read since the last call (None if not asked)."""
@@ -139,7 +164,7 @@ class SseBody:
         self.writer = writer  # writes frames straight to the socket once the headers are out
         # one engine output is one frame, with nothing to hold back or accumulate
         self._direct = (writer is not None and reader.stream_interval <= 1 and reader.logprobs is None
-                        and reader._tool_calls is None)
+                        and reader._tool_calls is None and reader._reasoning is None)
         self._unsent = b""  # the tail of a frame the socket did not take in ``_offer``
 
     def __aiter__(self) -> "SseBody":
@@ -201,9 +226,10 @@ class SseBody:
             except ApiError as error:
                 return sse(error.json()) + SSE_DONE
             finish = reader.finish_reason
-            if finish is None and not text:
+            reasoning = reader.take_reasoning()
+            if finish is None and not text and not reasoning:
                 continue  # e.g. text held back by the stop-string check: nothing to say yet
-            frame = sse(self.encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls))
+            frame = sse(self.encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls, reasoning))
             if finish is not None:
                 if self.include_usage:
                     frame += sse(self.encoder.usage_json(reader.usage()))
@@ -220,4 +246,4 @@ async def collect(reader: OutputReader, encoder: ChunkEncoder) -> dict[str, Any]
     while not reader.done:
         parts.append(await reader.next_delta())
     return encoder.full_response("".join(parts), reader.finish_reason, reader.usage(), reader.stop_reason,
-                                 reader.take_logprobs(), reader.tool_calls)
+                                 reader.take_logprobs(), reader.tool_calls, reader.take_reasoning())
