@@ -21,6 +21,9 @@ def test_page_and_its_files_are_served_without_a_key(api_server):
     for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
         response = httpx.get(f"{api_server.url}/ui/{name}")
         assert response.status_code == 200 and response.headers["content-type"].startswith(kind)
+    icon = httpx.get(api_server.url + "/favicon.ico")  # where a browser asks first: no 404 in its console
+    assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/svg+xml")
+    assert icon.content.startswith(b"<svg") and '<link rel="icon" href="/ui/favicon.svg"' in page.text
     assert_openai_error(httpx.get(api_server.url + "/ui/index.htm"), 404)
     assert_openai_error(httpx.get(api_server.url + "/ui/../README.md"), 404)
 

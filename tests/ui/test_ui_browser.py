@@ -67,6 +67,37 @@ def aborted(metrics: dict[str, float], reason: str) -> float:
     return metrics[f'tidal:requests_aborted_total{{model_name="tidal-test",reason="{reason}"}}']
 
 
+def kv_bar_fraction(driver) -> float:
+    """The KV bar's drawn width over its track's."""
+    return driver.execute_script("const bar = document.getElementById('state-kv-bar');"
+                                 "return bar.getBoundingClientRect().width / bar.parentElement.clientWidth;")
+
+
+def test_the_page_connects_on_load_and_has_an_icon(servers, browser):
+    open_page(browser, servers[0])
+    wait(browser, lambda: text(browser, "#connection") == "connected")  # before any message
+    statuses = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "const icon = document.querySelector('link[rel=icon]').href;"
+        "Promise.all([icon, '/favicon.ico'].map((url) => fetch(url).then((r) => r.status))).then(done);")
+    assert statuses == [200, 200]
+
+
+def test_a_server_that_needs_a_key_asks_for_it_on_load(servers, browser):
+    open_page(browser, servers[1])
+    browser.execute_script("sessionStorage.clear()")
+    browser.refresh()
+    wait(browser, lambda: browser.find_element(By.ID, "key-card").is_displayed())  # before any message
+    wait(browser, lambda: text(browser, "#connection") == "not connected")
+
+
+def test_the_kv_bar_shows_a_few_blocks_of_32768(servers, browser):
+    open_page(browser, servers[0])
+    fractions = [browser.execute_script(f"return kvBarFraction({used}, 32768)") for used in (0, 1, 8, 64, 32768)]
+    assert fractions[0] == 0 and fractions[-1] == 1
+    assert 0.05 < fractions[1] < fractions[2] < fractions[3] < 1  # one block is a visible bar; more is longer
+
+
 def test_chat_streams_and_stop_aborts_the_request_and_frees_its_kv(servers, browser):
     server = servers[0]
     open_page(browser, server)
@@ -86,6 +117,8 @@ def test_chat_streams_and_stop_aborts_the_request_and_frees_its_kv(servers, brow
     wait(browser, lambda: text(browser, "#state-running") == "1" and not text(browser, "#state-kv").startswith("0 /"))
     m = server.metrics()
     assert m["tidal:num_requests_running"] == 1 and m["tidal:kv_cache_blocks_used"] > 0
+    # the KV bar shows those few blocks of 256 (log scale): a linear bar would be under 1% of its track
+    wait(browser, lambda: kv_bar_fraction(browser) > 0.1)
 
     browser.find_element(By.ID, "stop").click()
     wait(browser, lambda: "aborted" in answer.text)
@@ -96,6 +129,7 @@ def test_chat_streams_and_stop_aborts_the_request_and_frees_its_kv(servers, brow
     # ...and the page's panel says so: the KV went back, one cancel in the last minute
     wait(browser, lambda: text(browser, "#state-kv").startswith("0 /") and text(browser, "#state-running") == "0")
     wait(browser, lambda: text(browser, '#state-aborted li[data-reason="client_cancel"]') == "client_cancel\n1")
+    wait(browser, lambda: kv_bar_fraction(browser) == 0)
     assert not browser.find_element(By.ID, "send").get_attribute("disabled")
 
     shot = os.environ.get("TIDAL_UI_SCREENSHOT")

@@ -1,6 +1,6 @@
 """The built-in chat page at ``/`` (``--no-ui`` turns it off) and the ``/state`` feed it polls.
 
-The page is three static files next to this module: plain HTML, CSS and JavaScript, no build
+The page is four static files next to this module (its icon included): plain HTML, CSS and JavaScript, no build
 step, nothing fetched from elsewhere (the Content-Security-Policy forbids it). It streams over
 ``/v1/ws`` like any client. See docs/ui.md.
 """
@@ -16,7 +16,8 @@ from werkzeug.exceptions import NotFound
 from tidal.server_state import ServerState
 
 _STATIC = Path(__file__).resolve().parent
-_FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
+_FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css",
+          "favicon.svg": "image/svg+xml"}
 # same-origin only: the page may talk to this server and nothing else
 _CSP = "default-src 'self'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'"
 
@@ -38,6 +39,10 @@ def register_ui(app) -> None:
     @app.get("/")
     async def index():
         return static("index.html")
+
+    @app.get("/favicon.ico")  # where a browser looks without being told: a 404 there is noise in its console
+    async def favicon():
+        return static("favicon.svg")
 
     @app.get("/ui/<name>")
     async def asset(name: str):

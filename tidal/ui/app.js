@@ -22,7 +22,8 @@ function base64url(text) {
 }
 
 function connect() {
-  if (socket) return socketOpen;
+  // a socket the server refused (it closes it next) or that is closing is no socket: open a new one
+  if (socket && !socket.refused && socket.readyState <= WebSocket.OPEN) return socketOpen;
   const url = (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/ws";
   // A browser cannot send an Authorization header on a WebSocket: the key rides in a subprotocol.
   const protocols = apiKey ? ["tidal", "tidal.bearer." + base64url(apiKey)] : ["tidal"];
@@ -31,9 +32,14 @@ function connect() {
     ws.onopen = () => { setConnection("connected"); resolve(ws); };
     ws.onerror = () => reject(new Error("cannot connect to " + url));
   });
-  ws.onmessage = (event) => onMessage(JSON.parse(event.data));
+  ws.onmessage = (event) => {
+    const message = JSON.parse(event.data);
+    if (message.type === "error" && message.id === null) ws.refused = true;  // e.g. a 401 for the key
+    onMessage(message);
+  };
   ws.onclose = () => {
-    if (socket === ws) socket = null;
+    if (socket !== ws) return;  // already replaced (a new key, a refused connection): not the page's socket
+    socket = null;
     setConnection("not connected");
     if (answer) endAnswer("error", "The connection to the server closed mid-answer.");
   };
@@ -217,6 +223,8 @@ function useKey(event) {
     retryBody = null;
     conversation.push(body.messages[body.messages.length - 1]);
     send(body);
+  } else {
+    connect().catch(() => {});  // connected with the key now, not at the next message
   }
 }
 
@@ -241,6 +249,12 @@ function reasons(list, counts) {
   }
 }
 
+// The bar's length on a log scale: with 32,768 blocks one request holds a few hundredths of a percent,
+// which a linear bar never shows. log(1 + used) / log(1 + total): 0 is empty, 1 block ~7%, full is full.
+function kvBarFraction(used, total) {
+  return total > 0 && used > 0 ? Math.log1p(used) / Math.log1p(total) : 0;
+}
+
 let modelShown = false;
 
 async function pollState() {
@@ -251,7 +265,7 @@ async function pollState() {
     $("state-waiting").textContent = state.requests_waiting;
     const percent = (state.kv_usage * 100).toFixed(1);
     $("state-kv").textContent = `${state.kv_blocks_used} / ${state.kv_blocks_total} blocks (${percent}%)`;
-    $("state-kv-bar").style.width = percent + "%";
+    $("state-kv-bar").style.width = (kvBarFraction(state.kv_blocks_used, state.kv_blocks_total) * 100) + "%";
     reasons($("state-aborted"), state.aborted_last_minute);
     reasons($("state-rejected"), state.rejected_last_minute);
     $("state-status").textContent = "";
@@ -283,3 +297,4 @@ $("clear").addEventListener("click", () => {
 });
 $("key-form").addEventListener("submit", useKey);
 pollState();
+connect().catch(() => {});  // at once, so the page shows "connected" (or asks for a key) before any message
