@@ -84,6 +84,7 @@ async def read_a_byte_a_second(sock, statuses: list[int]) -> None:
 async def test_fifty_one_byte_a_second_readers_do_not_slow_other_clients_or_grow_memory(server):
     m0 = await metrics_async(server)
     sockets, statuses, itls_with_slow = [], [], []
+    window_s, window_steps = 0.0, 0
     async with async_client(server) as client:
         await normal_itls(client, 5)  # warm up the path
         baseline = [g for _ in range(2) for g in await normal_itls(client)]
@@ -94,10 +95,16 @@ async def test_fifty_one_byte_a_second_readers_do_not_slow_other_clients_or_grow
                 for _ in range(NUM_SLOW):
                     sockets.append(await open_raw(server.port, completion_body(3000), rcvbuf=1024))
                     nursery.start_soon(read_a_byte_a_second, sockets[-1], statuses)
-                await wait_for_async(server, lambda m: m["tidal:num_requests_running"] >= NUM_SLOW, timeout=30)
-                with trio.fail_after(60):  # a normal client streams until every slow one is cut off
-                    while aborted(await metrics_async(server), "slow_client") < aborted(m0, "slow_client") + NUM_SLOW:
+                await wait_for_async(server, lambda m: m["tidal:num_requests_running"] >= NUM_SLOW, timeout=60)
+                with trio.fail_after(120):  # a normal client streams until every slow one is cut off
+                    slow_aborted = aborted(m0, "slow_client") + NUM_SLOW
+                    while aborted(m := await metrics_async(server), "slow_client") < slow_aborted:
+                        started = trio.current_time()
                         itls_with_slow += await normal_itls(client)
+                        # the engine's own pace over the same seconds: what the normal client may expect
+                        after = await metrics_async(server)
+                        window_s += trio.current_time() - started
+                        window_steps += after["tidal:engine_steps_total"] - m["tidal:engine_steps_total"]
                         frontend, engine = rss_bytes(server)
                         rss_peak = [max(rss_peak[0], frontend), max(rss_peak[1], engine)]
                 # all by the stall bound, every KV block given back, though the sockets are still open
@@ -111,10 +118,16 @@ async def test_fifty_one_byte_a_second_readers_do_not_slow_other_clients_or_grow
 
     assert statuses == [200] * NUM_SLOW
     base, slow = statistics.median(baseline), statistics.median(itls_with_slow)
+    step = window_s / window_steps  # the engine's step interval while the normal client streamed
     grown = (rss_peak[0] - rss0[0]) / 2**20, (rss_peak[1] - rss0[1]) / 2**20
-    print(f"ITL median {base * 1e3:.1f} ms alone, {slow * 1e3:.1f} ms beside {NUM_SLOW} slow readers; "
-          f"RSS grew {grown[0]:.1f} MiB (frontend), {grown[1]:.1f} MiB (engine)")
-    assert slow < 2 * base + 0.005, f"ITL median {slow * 1e3:.1f} ms with slow readers vs {base * 1e3:.1f} ms"
+    print(f"ITL median {base * 1e3:.1f} ms alone, {slow * 1e3:.1f} ms beside {NUM_SLOW} slow readers, whose "
+          f"engine steps took {step * 1e3:.1f} ms; RSS grew {grown[0]:.1f} MiB (frontend), {grown[1]:.1f} MiB (engine)")
+    # Against the engine's pace in the same seconds, not against the lone baseline: on a busy host a step
+    # of 51 sequences takes longer than a step of one, which is no fault of the slow readers; a client
+    # they held back would fall behind the engine's own pace. And the engine never waits for a reader
+    # that takes a byte a second: its steps stay far under a second.
+    assert step < 0.5, f"engine steps took {step * 1e3:.1f} ms beside the slow readers"
+    assert slow < 2 * step + 0.005, f"ITL median {slow * 1e3:.1f} ms with slow readers vs steps of {step * 1e3:.1f} ms"
     # what a slow reader may cost the server is bounded (mailbox bytes, not a backlog of frames)
     assert grown[0] < 32 and grown[1] < 64, f"RSS grew by {grown[0]:.1f} MiB (frontend), {grown[1]:.1f} (engine)"
     server.wait_idle()

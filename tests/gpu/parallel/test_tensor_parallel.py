@@ -291,8 +291,10 @@ def test_two_nodes_on_loopback_serve_restart_and_shut_down_together(served_model
         return client.completions.create(model=served_model, prompt=PROMPTS[0], max_tokens=NUM_NEW_TOKENS,
                                          temperature=0).choices[0].text
 
+    # The bounds below are for a busy host (two nodes' ranks, a restart and its rendezvous on shared
+    # cores): each wait ends at its event, so they cost nothing when the host is idle.
     try:
-        with LiveServer(*node_flags, "--node-rank", "0") as server:
+        with LiveServer(*node_flags, "--node-rank", "0", start_timeout=600) as server:
             # node 0 runs rank 0 only; `tidal serve --node-rank 1` became node 1's launcher of rank 1
             engine = server.engine_pid()
             assert rank_pids(engine) == []
@@ -302,11 +304,11 @@ def test_two_nodes_on_loopback_serve_restart_and_shut_down_together(served_model
             # rank 0 dies: node 1's rank fails its next broadcast, its launcher starts it again, and
             # it meets the restarted rank 0 at the same port
             os.kill(engine, signal.SIGKILL)
-            wait_until(lambda: gone(rank1.pid), 10, "rank 1 leaves when rank 0 is gone")
-            poll(server, lambda m: m["tidal:replicas_live"] == 1 and restarts(m) == 1, timeout=60)
+            wait_until(lambda: gone(rank1.pid), 60, "rank 1 leaves when rank 0 is gone")
+            poll(server, lambda m: m["tidal:replicas_live"] == 1 and restarts(m) == 1, timeout=300)
             assert complete(server) == expected
         # node 0 shut down: rank 0 told rank 1, and the headless node exits cleanly
-        assert node1.wait(timeout=30) == 0
+        assert node1.wait(timeout=120) == 0
         node1_log.seek(0)
         text = node1_log.read()
         assert "headless" in text and "restarting its ranks" in text and "Traceback" not in text, text
