@@ -6,7 +6,7 @@
 # Each round starts `tidal serve --model MODEL` twice, once as is and once with SWITCH in its environment;
 # each server gets a 100-token warm-up, then STREAMS (2) `curl -N` streams of TOKENS (1000) tokens on
 # /v1/completions with "ignore_eos": true, one after another. Prints each stream's TPOT (wall time over
-# tokens) and the frontend process's CPU per token. docs/performance.md quotes it for the huge pages and
+# tokens) and the frontend process's CPU per token. docs/performance-history.md quotes it for the huge pages and
 # the decoder stack (TIDAL_CPU_STACK=0).
 set -u
 SWITCH=${SWITCH:?SWITCH=NAME=VALUE, the environment of the B servers}

@@ -150,7 +150,7 @@ class EngineClient:
         # OpenMP threads wait at each kernel's end: sleeping at once costs a futex wake per
         # parallel region (small decodes 1.25-1.4x slower on a quiet 2-core host), spinning for
         # long (libgomp's default) stalls a busy host. A short spin, then sleep, keeps most of
-        # both (docs/performance.md, "OpenMP waits"); the user's own setting wins.
+        # both (docs/performance-history.md, "OpenMP waits"); the user's own setting wins.
         if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
             env["GOMP_SPINCOUNT"] = OMP_SPIN_COUNT
         process = await trio.lowlevel.open_process(

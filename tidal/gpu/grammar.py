@@ -1,6 +1,6 @@
 """Structured output: grammars compiled off the step loop, token masks applied batched.
 
-xgrammar does the work (chosen by measurement, docs/performance.md: its precomputed token
+xgrammar does the work (chosen by measurement, docs/performance-history.md: its precomputed token
 masks fill a row in microseconds where llguidance took ~0.1-0.2 ms at an 8k vocabulary).
 
 Life of a constrained request:

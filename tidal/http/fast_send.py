@@ -2,7 +2,7 @@
 
 hypercorn's ``TCPServer.protocol_send`` takes a trio.Lock, opens a shielded cancel scope and
 goes through trio's ``send_all`` (conflict detector, checkpoints, wait_writable) for every
-chunk: about 33 us per SSE frame on this stack (see docs/performance.md), more than the
+chunk: about 33 us per SSE frame on this stack (see docs/performance-history.md), more than the
 rest of a token's frontend cost together. This wrapper offers the bytes to the kernel directly with a
 non-blocking ``send``, under the connection's send lock (uncontended in the common case, so
 acquiring it does not wait) to keep writes in order; only when the socket buffer is full (a

@@ -1,7 +1,7 @@
 """What a CPU decode step streams (the packed weights, the KV cache) lies in 2 MiB pages.
 
 The kernels stream the weights ~13-16% faster from huge pages (tidal/gpu/cpu/huge_pages.py,
-docs/performance.md): these tests hold the placement itself, that it changes no value, and that
+docs/performance-history.md): these tests hold the placement itself, that it changes no value, and that
 ``TIDAL_CPU_HUGE_PAGES=0`` keeps torch's own allocation.
 """
 

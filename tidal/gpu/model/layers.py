@@ -58,7 +58,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 USE_GEMV = os.environ.get("TIDAL_CPU_GEMV", "1") != "0"
 # On a CPU with AMX, rows up to which the kernel runs; above, oneDNN's AMX GEMM on its own packed copy
 # (AMX's tiles do several times the arithmetic of AVX512-BF16 per cycle, so they win prefill). Without
-# AMX the kernel matches or beats oneDNN at every row count (docs/performance.md) and runs every call.
+# AMX the kernel matches or beats oneDNN at every row count (docs/performance-history.md) and runs every call.
 AMX_GEMV_MAX_ROWS = 16
 GEMV_GROUP = 4  # blocks of 16 columns the kernel walks together (kMaxBlocks in csrc/linear_bf16.cpp)
 

@@ -3,7 +3,7 @@
 ``auto`` is bfloat16 on CUDA, and on CPUs with native bf16 instructions (AVX512-BF16 or AMX),
 where bf16 linears on prepacked weights read half the bytes of float32 and decode runs faster.
 Elsewhere it is float32: without those units bf16 arithmetic is emulated and slower than float32
-(measured in docs/performance.md). But the bytes still matter: on a CPU with AVX2+FMA and no native
+(measured in docs/performance-history.md). But the bytes still matter: on a CPU with AVX2+FMA and no native
 bf16, a checkpoint stored in bf16 keeps its linear weights in bf16 and the model computes in float32
 (csrc/linear_avx2.cpp widens each weight by a 16-bit shift): the float32 model's math exactly (a bf16
 value is a float32 with its low 16 bits zero), reading half the bytes per decode step. A float32
