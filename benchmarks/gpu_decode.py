@@ -92,10 +92,12 @@ def make_model_dir(path: Path, config: dict) -> str:
     return str(path)
 
 
-def random_model(model_dir: str, dtype: torch.dtype, device: torch.device, attention, tp=None):
-    """Stands in for ``model_loader.load_model``: the same model class, random weights drawn in place."""
-    if tp is not None:
-        raise ValueError("gpu_decode.py runs one rank: no tensor parallelism")
+def random_model(model_dir: str, dtype: torch.dtype, device: torch.device, attention, tp=None,
+                 linear_weights: torch.dtype | None = None, quantize: str | None = None):
+    """Stands in for ``model_loader.load_model`` (same signature): the same model class, random weights
+    drawn in place."""
+    if tp is not None or quantize is not None:
+        raise ValueError("gpu_decode.py runs one rank of unquantized weights: no tensor parallelism, no quantization")
     config = ModelConfig.from_dir(model_dir)
     model = LlamaForCausalLM(config, attention, dtype=dtype, device=device)
     generator = torch.Generator(device).manual_seed(0)
@@ -106,8 +108,8 @@ def random_model(model_dir: str, dtype: torch.dtype, device: torch.device, atten
             else:
                 param.normal_(0.0, 0.02, generator=generator)
     model.eval()
-    if packs_weights(dtype, device):
-        model.pack_weights()
+    if packs_weights(dtype, device, linear_weights):
+        model.pack_weights(linear_weights if linear_weights != dtype else None)
     return model, config
 
 

@@ -6,8 +6,7 @@ import os
 
 import psutil
 import pytest
-
-from tests.live_server import LiveServer
+from live_server import LiveServer
 
 OMP_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 

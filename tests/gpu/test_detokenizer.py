@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -266,8 +265,7 @@ def test_flush_returns_held_back_text():
     assert detokenizer.flush() == "\n\nUs"
 
 
-@pytest.mark.skipif(not TIDAL_TINY_TOKENIZER.exists(), reason="tidal-tiny not built yet")
-def test_tidal_tiny_tokenizer_streams_text_back():
+def test_tidal_tiny_tokenizer_streams_text_back():  # the tokenizer is committed (tidal/assets): never skipped
     tokenizer = Tokenizer.from_file(str(TIDAL_TINY_TOKENIZER))
     text = "héllo 世界 🎉\n\nUser: ok"
     ids = tokenizer.encode(text, add_special_tokens=False).ids

@@ -233,8 +233,7 @@ def test_stop_string_ends_in_the_step_that_produced_it(model_dir):
             ids.extend(o.token_ids)
     full = "".join(texts)
     stop = full[len(full) // 2: len(full) // 2 + 3]
-    if not stop.strip():
-        pytest.skip("greedy text too short/blank for a stop string")
+    assert stop.strip(), full  # the seeded model's greedy text is fixed, and has text where the stop is cut
     cut = full.index(stop)
     engine.add_request(AddRequest(2, prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
                                                             stop=(stop,)), 0, 0.0))

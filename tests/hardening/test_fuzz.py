@@ -3,14 +3,15 @@
 and afterwards the server is idle (no request running or waiting, every KV block free).
 
 Property-based (hypothesis, strategies in bodies.py). Each example uses a fresh connection and
-checks it with a second, known-good request on the same connection. The last test checks the
-server state after all of them; pytest runs a module's tests in order.
+checks it with a second, known-good request on the same connection. After each test's examples
+its ``fuzzed`` fixture checks the server state, so no test relies on another having run first.
 """
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import trio
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -40,9 +41,19 @@ def check_answer(status: int, headers: dict[str, str], body: bytes) -> None:
         assert json.loads(body)["choices"][0]["finish_reason"] in ("stop", "length"), body
 
 
+@pytest.fixture
+def fuzzed(server):
+    """The server; once the test's examples are done, it must be idle and healthy."""
+    yield server
+    server.wait_idle()  # no request running or waiting, every KV block free
+    assert server.client.get(server.url + "/health").status_code == 200
+    assert server.process.poll() is None
+
+
 @FUZZ
 @given(data=st.data())
-def test_http_bodies(server, data):
+def test_http_bodies(fuzzed, data):
+    server = fuzzed
     path = data.draw(st.sampled_from(sorted(ENDPOINTS)), label="path")
     body = data.draw(raw_bodies(ENDPOINTS[path]), label="body")
     with Http1Connection(server.port) as conn:
@@ -67,7 +78,8 @@ ws_messages = st.one_of(
 @example(message={"type": "request", "body": [], "id": 0}, as_bytes=False)  # found by this test: the error had no id
 @given(message=ws_messages | raw_bodies(chat_bodies).map(lambda b: b.decode("utf-8", "replace")),
        as_bytes=st.booleans())
-async def test_websocket_messages(server, message, as_bytes):
+async def test_websocket_messages(fuzzed, message, as_bytes):
+    server = fuzzed
     text = message if isinstance(message, str) else json.dumps(message)
     expects = (isinstance(message, dict) and message.get("type") == "request"
                and type(message.get("id")) in (int, str))
@@ -88,8 +100,3 @@ async def test_websocket_messages(server, message, as_bytes):
                 if reply["id"] == "__probe__":
                     assert reply["type"] != "error", reply
 
-
-def test_the_server_is_idle_and_healthy_afterwards(server):
-    server.wait_idle()
-    assert server.client.get(server.url + "/health").status_code == 200
-    assert server.process.poll() is None
