@@ -33,7 +33,7 @@ def _median_ms(fn, repeat: int) -> float:
 
 def bench_logprobs(vocabs: list[int], batches: list[int], repeat: int) -> None:
     from tidal.gpu.logprobs import CapturedLogprobs
-    from tidal.gpu.sampler import Sampler
+    from tidal.gpu.sampler import Sampler, SamplingBatch
     from tidal.wire import SamplingParams
 
     sampler = Sampler()
@@ -50,7 +50,7 @@ def bench_logprobs(vocabs: list[int], batches: list[int], repeat: int) -> None:
             def step(params):
                 scratch = logits.clone()
                 captured = CapturedLogprobs.capture(scratch, params)
-                tokens = sampler.sample(scratch, params, empty, empty, gens)
+                tokens = sampler.sample_tokens(scratch, SamplingBatch(params, empty, empty, gens)).tolist()
                 if captured is not None:
                     captured.for_tokens(tokens)
 

@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 )
 
 from tidal.gpu import sampler as sampler_module
-from tidal.gpu.sampler import ARGMAX_BLOCK, Sampler, apply_penalties, make_generator, row_argmax
+from tidal.gpu.sampler import ARGMAX_BLOCK, Sampler, SamplingBatch, apply_penalties, make_generator, row_argmax
 from tidal.wire import SamplingParams
 
 SAMPLER = Sampler()
@@ -28,13 +28,12 @@ def sample(logits, params, outputs=None, prompts=None, generators=None):
     n = logits.shape[0]
     if isinstance(params, SamplingParams):
         params = [params] * n
-    return SAMPLER.sample(
-        logits.clone(),
+    return SAMPLER.sample_tokens(logits.clone(), SamplingBatch(
         params,
         outputs if outputs is not None else [[] for _ in range(n)],
         prompts if prompts is not None else [[] for _ in range(n)],
         generators if generators is not None else [None] * n,
-    )
+    )).tolist()
 
 
 def random_logits(rows: int, vocab: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:

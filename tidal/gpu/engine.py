@@ -6,7 +6,8 @@ One step is::
     tokens = forward(batch)                    # one pass over the paged cache, one token per sampler
                                                # (logprobs captured and grammar masks applied here)
     apply_late_aborts()                        # the abort window: aborts that arrived mid-forward
-    scheduler.commit(batch, tokens)            # append, check stops, free what finished
+    scheduler.commit(batch, tokens)            # append, advance grammars, release forks, check
+                                               # stops, free what finished
     emit(...)                                  # detokenize, one RequestOutput per new token
 
 ``step()`` launches the next step's forward right after the commit, before emitting. Where
@@ -40,7 +41,7 @@ from tidal.gpu.logprobs import CapturedLogprobs
 from tidal.gpu.model_runner import ModelRunner
 from tidal.gpu.sampler import Sampler, SamplingBatch, make_generator
 from tidal.gpu.scheduler import ScheduledBatch, Scheduler
-from tidal.gpu.sequence import Sequence, SequenceStatus
+from tidal.gpu.sequence import Sequence
 from tidal.gpu.model.synthetic_model import SyntheticModel
 from tidal.wire import (AddRequest, EngineConfig, EngineStats, FinishReason, Logprobs, Ready, RequestOutput,
                         StepReport)
@@ -59,17 +60,17 @@ class Engine:
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.grammars = Grammars(self.runner.model_dir, self.runner.model_config.vocab_size,
+                                 sorted(self.eos_token_ids))
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             by_priority=config.scheduling_policy == "priority",
+            grammars=self.grammars,
         )
         self.sampler = Sampler()
-        self._forks: dict[int, list[Sequence]] = {}  # parent request id -> choices waiting for its prefill
-        self.grammars = Grammars(self.runner.model_dir, self.runner.model_config.vocab_size,
-                                 sorted(self.eos_token_ids))
-        self.sequences: dict[int, Sequence] = {}
+        self.sequences: dict[int, Sequence] = {}  # the live ones; where each waits is the scheduler's
         self.num_steps = 0
         self._arrivals = itertools.count()
         self._started: list[int] = []
@@ -136,20 +137,8 @@ class Engine:
             # the frontend validates this; the engine still never runs an impossible request
             self._finish(seq, "length")
             return
-        parent = self.sequences.get(msg.fork_of) if msg.fork_of is not None else None
-        if params.structured is not None:
-            self.grammars.submit(seq)  # compiles off the step loop; scheduled once ready
-        elif parent is not None and not parent.output_token_ids:
-            # another choice of the same prompt (n > 1): wait for the parent's prefill, then take
-            # the prompt's full blocks from the prefix cache instead of computing them again
-            self._forks.setdefault(parent.request_id, []).append(seq)
-        else:
-            self.scheduler.add(seq)
+        self.scheduler.add(seq, parent=self.sequences.get(msg.fork_of) if msg.fork_of is not None else None)
         self._dirty = True
-
-    def _release_forks(self, parent_id: int) -> None:
-        for seq in self._forks.pop(parent_id, ()):
-            self.scheduler.add(seq)
 
     def abort(self, request_ids: list[int]) -> None:
         """Free the requests' KV blocks now. Unknown or finished ids are a no-op.
@@ -165,49 +154,32 @@ class Engine:
                 self._finish(seq, "abort", emit_output=False)
 
     def has_work(self) -> bool:
-        return self._in_flight is not None or self.scheduler.has_work() or self.grammars.num_waiting > 0
-
-    def _schedule_compiled(self) -> None:
-        """Requests whose grammar finished compiling join the scheduler (or are refused)."""
-        for seq, error in self.grammars.take_ready():
-            if error is None:
-                self.scheduler.add(seq)
-            else:
-                self._finish(seq, "abort", error=error)
+        return self._in_flight is not None or self.scheduler.has_work()
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> bool:
-        """Book the forward pass in flight and start the next one. False if none could start.
+        """Commit the forward pass in flight and launch the next one. False if none could start.
 
         One step is schedule -> forward -> abort window -> commit; the next step's schedule
         and launch come right after the commit, so its forward pass runs while this step's
         outputs are detokenized and reported (and while the process loop sends them).
         """
-        if self._in_flight is None:
-            self._in_flight = self._launch()
-            if self._in_flight is None:
-                return False  # nothing fits right now (waiting for blocks)
-        batch, (tokens, logprobs) = self._in_flight.batch, self._in_flight.tokens.result()
+        in_flight = self._in_flight or self._launch()  # schedule -> forward
+        if in_flight is None:
+            return False  # nothing fits right now (waiting for blocks)
+        tokens, logprobs = in_flight.tokens.result()
         self._apply_late_aborts()  # the abort window: the pass is over, its outputs not yet booked
-        appended = self.scheduler.commit(batch, tokens)
-        for seq in appended:  # before the next launch: its masks need the matchers advanced
-            if len(seq.output_token_ids) == 1 and seq.request_id in self._forks:
-                self._release_forks(seq.request_id)  # its prompt blocks are in the prefix cache now
-            if seq.params.structured is not None and self.grammars.accept(seq, seq.output_token_ids[-1]) \
-                    and seq.finish_reason is None:
-                self.scheduler.finish(seq, "stop")  # complete: it took a stop token under ignore_eos
-        self.num_steps += 1
+        appended = self.scheduler.commit(in_flight.batch, tokens)  # commit
         self._in_flight = self._launch()  # the next step's forward starts now ...
-        for seq in appended:  # ... and runs while this one's outputs are built
-            self._emit(seq, logprobs.get(seq.request_id))
-        self._dirty = True
+        self._emit_step(appended, logprobs)  # ... and runs while this one's outputs are built
         return True
 
     def _launch(self) -> InFlight | None:
         """Schedule a batch and launch its forward pass (``self._passes`` decides where it runs)."""
-        self._schedule_compiled()
         batch = self.scheduler.schedule()
+        for seq in batch.refused:
+            self._emit(seq)
         self._started.extend(seq.request_id for seq in batch.started)
         if batch.started:
             self._dirty = True
@@ -269,8 +241,21 @@ class Engine:
         while self.late_aborts:
             self.abort(self.late_aborts.popleft())
 
+    def _emit_step(self, appended: list[Sequence], logprobs: dict[int, Logprobs]) -> None:
+        """The outputs of a committed step."""
+        self.num_steps += 1
+        for seq in appended:
+            self._emit(seq, logprobs.get(seq.request_id))
+        self._dirty = True
+
     def _emit(self, seq: Sequence, logprobs: Logprobs | None = None) -> None:
-        """The output of a sequence that got a token this step."""
+        """The output of a sequence that got a token this step, or ended with an error."""
+        if seq.error is not None:
+            self._outputs.append(RequestOutput(
+                request_id=seq.request_id, token_ids=[], text="", finish_reason=seq.finish_reason,
+                error=seq.error))
+            self._forget(seq)
+            return
         self._outputs.append(RequestOutput(
             request_id=seq.request_id,
             token_ids=[seq.output_token_ids[-1]],
@@ -283,29 +268,14 @@ class Engine:
         if seq.finish_reason is not None:
             self._forget(seq)
 
-    def _finish(self, seq: Sequence, reason: FinishReason, emit_output: bool = True,
-                error: str | None = None) -> None:
-        if self.grammars.discard(seq.request_id) or self._unpark(seq):  # never reached the scheduler
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        else:
-            self.scheduler.finish(seq, reason)
+    def _finish(self, seq: Sequence, reason: FinishReason, emit_output: bool = True) -> None:
+        self.scheduler.finish(seq, reason)  # wherever it waits or runs
         if emit_output:
             self._outputs.append(RequestOutput(
-                request_id=seq.request_id, token_ids=[], text="", finish_reason=reason,
-                error=error))
+                request_id=seq.request_id, token_ids=[], text="", finish_reason=reason))
         self._forget(seq)
 
-    def _unpark(self, seq: Sequence) -> bool:
-        """Take a choice out of its parent's waiting forks; True if it was waiting there."""
-        for forks in self._forks.values():
-            if seq in forks:
-                forks.remove(seq)
-                return True
-        return False
-
     def _forget(self, seq: Sequence) -> None:
-        self.grammars.discard(seq.request_id)
-        self._release_forks(seq.request_id)  # a parent that ended before its first token
         del self.sequences[seq.request_id]
         self._finished.append(seq.request_id)
         self._dirty = True

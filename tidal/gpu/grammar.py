@@ -6,15 +6,16 @@ masks fill a row in microseconds where llguidance took ~0.1-0.2 ms at an 8k voca
 Life of a constrained request:
 
 1. ``Grammars.submit`` starts compiling its constraint on a worker thread (one compile per
-   distinct constraint: compiled grammars are cached by (kind, spec)); the sequence waits
-   here, not in the scheduler, so it holds no KV blocks and no batch slot meanwhile.
-2. ``Grammars.take_ready`` (start of each step) hands back the sequences whose grammar is
-   ready, each with a fresh matcher, or with the compile error that refuses it.
+   distinct constraint: compiled grammars are cached by (kind, spec)); the sequence waits in
+   the scheduler's COMPILING place, so it holds no KV blocks and no batch slot meanwhile.
+2. At each schedule the scheduler asks ``is_compiled`` and, once it is, ``start_matcher``:
+   a fresh matcher for the request, or the compile error that refuses it.
 3. ``Grammars.apply_mask`` fills one bitmask row per constrained sampling row (one batched
    call) and masks the logits in place; unconstrained rows are untouched and a step without
    constrained rows costs one dict lookup per row.
-4. ``Grammars.accept`` advances the matcher by the sampled token; once the grammar is
-   complete only the stop tokens stay allowed, so the request ends with ``"stop"``.
+4. ``Grammars.accept`` (the scheduler's commit) advances the matcher by the sampled token; once
+   the grammar is complete only the stop tokens stay allowed, so the request ends with ``"stop"``.
+5. ``Grammars.release`` forgets a request that ended, however it ended.
 
 A constraint with ``after`` (a reasoning model's ``</think>``) is gated: its rows are left
 unmasked and its matcher untouched until the output ends with those ids; the grammar starts
@@ -71,7 +72,7 @@ class Grammars:
         self._batch: Any = None
         self._pool: ThreadPoolExecutor | None = None
         self._compiled: dict[tuple[str, str], Future] = {}  # insertion order = age (small LRU)
-        self._waiting: dict[int, tuple["Sequence", Future]] = {}  # request id -> compile
+        self._waiting: dict[int, tuple[tuple[str, str], Future]] = {}  # request id -> (key, its compile)
         self._matchers: dict[int, Any] = {}  # request id -> xgrammar.GrammarMatcher
         self._gates: dict[int, tuple[int, ...]] = {}  # request id -> the ids that open its grammar
         self._bitmask: torch.Tensor | None = None
@@ -90,11 +91,10 @@ class Grammars:
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tidal-grammar")
 
-    def submit(self, seq: "Sequence") -> None:
-        """Start compiling the sequence's constraint (or reuse a compiled one); it waits here."""
+    def submit(self, request_id: int, spec: StructuredOutput) -> None:
+        """Start compiling a request's constraint (or reuse a compiled one)."""
         if self._compiler is None:
             self._start()
-        spec: StructuredOutput = seq.params.structured  # type: ignore[assignment]
         key = (spec.kind, spec.spec)
         future = self._compiled.pop(key, None)
         if future is None:
@@ -102,7 +102,9 @@ class Grammars:
             if len(self._compiled) >= MAX_CACHED_GRAMMARS:
                 self._compiled.pop(next(iter(self._compiled)))
         self._compiled[key] = future  # most recently used last
-        self._waiting[seq.request_id] = (seq, future)
+        self._waiting[request_id] = (key, future)
+        if spec.after:
+            self._gates[request_id] = spec.after
 
     def _compile(self, spec: StructuredOutput) -> Any:
         c = self._compiler
@@ -119,37 +121,33 @@ class Grammars:
 
     @property
     def num_waiting(self) -> int:
+        """Requests whose compile has not been taken yet."""
         return len(self._waiting)
 
-    def take_ready(self) -> list[tuple["Sequence", str | None]]:
-        """Sequences whose compile finished: (seq, None) now has a matcher; (seq, error) is refused."""
-        if not self._waiting:
-            return []
+    def is_compiled(self, request_id: int) -> bool:
+        """The request's compile has finished, or failed."""
+        return self._waiting[request_id][1].done()
+
+    def start_matcher(self, request_id: int) -> str | None:
+        """Take a finished compile: None once the request has its matcher, else why it is refused
+        (the caller then ends it; ``release`` forgets it)."""
         import xgrammar as xgr
 
-        ready = []
-        for request_id, (seq, future) in list(self._waiting.items()):
-            if not future.done():
-                continue
-            try:
-                compiled = future.result()
-            except Exception as exc:  # noqa: BLE001 - any compile failure refuses the request
-                # it stays waiting (never scheduled) until the engine finishes it with discard()
-                self._compiled.pop((seq.params.structured.kind, seq.params.structured.spec), None)
-                ready.append((seq, f"The output constraint could not be compiled: {_compile_error(exc)}"))
-                continue
-            del self._waiting[request_id]
-            self._matchers[request_id] = xgr.GrammarMatcher(compiled)
-            if seq.params.structured.after:
-                self._gates[request_id] = seq.params.structured.after
-            ready.append((seq, None))
-        return ready
+        key, future = self._waiting[request_id]
+        try:
+            compiled = future.result()
+        except Exception as exc:  # noqa: BLE001 - any compile failure refuses the request
+            self._compiled.pop(key, None)
+            return f"The output constraint could not be compiled: {_compile_error(exc)}"
+        del self._waiting[request_id]
+        self._matchers[request_id] = xgr.GrammarMatcher(compiled)
+        return None
 
-    def discard(self, request_id: int) -> bool:
-        """Forget a request (finished or aborted). True if it was still waiting for its compile."""
+    def release(self, request_id: int) -> None:
+        """Forget a request (finished or aborted), whether it was compiling or matching."""
         self._matchers.pop(request_id, None)
         self._gates.pop(request_id, None)
-        return self._waiting.pop(request_id, None) is not None
+        self._waiting.pop(request_id, None)
 
     # ------------------------------------------------------------------ the step
 
@@ -190,15 +188,16 @@ class Grammars:
 
     def accept(self, seq: "Sequence", token_id: int) -> bool:
         """Advance the request's matcher by its sampled token. True once the grammar is complete."""
-        matcher = self._matchers.get(seq.request_id)
+        request_id = seq.request_id
+        matcher = self._matchers.get(request_id)
         if matcher is None:
             return False
-        gate = self._gates.get(seq.request_id)
+        gate = self._gates.get(request_id)
         if gate is not None:  # still free (thinking): the grammar starts after the gate's last id
             if tuple(seq.output_token_ids[-len(gate):]) == gate:
-                del self._gates[seq.request_id]
+                del self._gates[request_id]
             return False
         if not matcher.accept_token(token_id):
-            log.error("request %d: sampled token %d is outside its grammar", seq.request_id, token_id)
+            log.error("request %d: sampled token %d is outside its grammar", request_id, token_id)
             return True
         return matcher.is_terminated()

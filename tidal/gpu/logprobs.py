@@ -14,8 +14,6 @@ import torch
 
 from tidal.wire import Logprobs, SamplingParams
 
-MAX_TOP_LOGPROBS = 20  # the OpenAI bound (chat top_logprobs); the frontend enforces it
-
 
 class CapturedLogprobs:
     """The log-softmax rows of one step's asking requests, until their tokens are known."""

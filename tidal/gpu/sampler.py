@@ -71,25 +71,6 @@ class SamplingBatch:
 class Sampler:
     """Stateless: every per-request input arrives with each call."""
 
-    def sample(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        output_token_ids: list[list[int]],
-        prompt_token_ids: list[list[int]],
-        generators: list[torch.Generator | None],
-    ) -> list[int]:
-        """One token id per row of ``logits`` ([N, V] float32).
-
-        ``logits`` is scratch: it is modified in place (penalties, temperature, filtering),
-        which saves copying an [N, V] tensor on every step.
-        """
-        return self.sample_batch(logits, SamplingBatch(params, output_token_ids, prompt_token_ids, generators))
-
-    def sample_batch(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
-        """``sample`` with the per-row inputs already sorted."""
-        return self.sample_tokens(logits, batch).tolist()
-
     def sample_tokens(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The one place logits become tokens: one int64 token id per row, left on the logits'
         device (reading it back is the caller's choice of when to wait for the device)."""

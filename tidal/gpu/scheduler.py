@@ -13,20 +13,31 @@ Every step the scheduler picks which sequences run and how many of their tokens:
    request that does not fit blocks the ones behind it (no starvation of long prompts).
 
 After the forward pass, ``commit`` books its results: the computed tokens advance, full
-blocks go to the prefix cache, each sampled token is appended and checked against the stop
-conditions, and finished sequences leave and free their blocks.
+blocks go to the prefix cache, each sampled token is appended, advances its grammar and is
+checked against the stop conditions, a choice's first token releases the choices waiting for
+its prefill, and finished sequences leave and free their blocks.
 
-Pure Python over ``Sequence`` and ``BlockManager``; no torch.
+Every place a sequence waits is here, and its status says which (``SequenceStatus``, moved only
+by this module): COMPILING (its grammar compiles on ``Grammars``' thread; no KV, no batch slot),
+FORKED (a choice of n > 1 waiting for choice 0's prefill, to take the prompt's blocks from the
+prefix cache), WAITING (the queue), RUNNING. ``finish`` takes a sequence out of whichever it is
+in, so ending or aborting a sequence asks this one owner.
+
+Pure Python over ``Sequence`` and ``BlockManager`` (the grammars are handed in); no torch.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tidal.gpu.block_manager import BlockManager
 from tidal.gpu.sequence import Sequence, SequenceStatus
 from tidal.wire import FinishReason
+
+if TYPE_CHECKING:
+    from tidal.gpu.grammar import Grammars
 
 
 @dataclass
@@ -37,6 +48,7 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     # the sequences whose chunk reaches their last token: each samples one token, in entry order
     sampling: list[Sequence] = field(default_factory=list)
+    refused: list[Sequence] = field(default_factory=list)  # finished with ``error`` before scheduling
 
     @property
     def num_tokens(self) -> int:
@@ -53,36 +65,84 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         by_priority: bool = False,
+        grammars: Grammars | None = None,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.by_priority = by_priority
+        self.grammars = grammars  # None: no structured output (scheduler tests)
+        self.compiling: dict[int, Sequence] = {}  # request id -> sequence waiting for its grammar
+        self.forks: dict[int, list[Sequence]] = {}  # parent request id -> choices waiting for its prefill
         self.waiting: list[Sequence] = []  # kept sorted by sort_key
         self.running: list[Sequence] = []  # kept sorted by sort_key
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ membership
 
-    def add(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
-        self._insert(self.waiting, seq)
+    def add(self, seq: Sequence, parent: Sequence | None = None) -> None:
+        """Place a new sequence: its grammar compiles first, a choice whose ``parent`` (choice 0,
+        live) has not prefilled yet waits for it, anything else joins the queue."""
+        if seq.params.structured is not None and self.grammars is not None:
+            seq.move_to(SequenceStatus.COMPILING)  # compiles off the step loop; queued once ready
+            self.compiling[seq.request_id] = seq
+            self.grammars.submit(seq.request_id, seq.params.structured)
+        elif parent is not None and not parent.output_token_ids:
+            # another choice of the same prompt (n > 1): wait for the parent's prefill, then take
+            # the prompt's full blocks from the prefix cache instead of computing them again
+            seq.move_to(SequenceStatus.FORKED)
+            self.forks.setdefault(parent.request_id, []).append(seq)
+        else:
+            self._enqueue(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """Take a sequence out (finished or aborted) and free its blocks."""
-        if seq.status is SequenceStatus.RUNNING:
+        """Take a sequence out of wherever it waits or runs (finished or aborted) and free its blocks."""
+        status = seq.status
+        if status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:  # else: never added
+        elif status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif status is SequenceStatus.COMPILING:
+            del self.compiling[seq.request_id]
+        elif status is SequenceStatus.FORKED:
+            for forks in self.forks.values():
+                if seq in forks:
+                    forks.remove(seq)
+                    break
+        if seq.params.structured is not None and self.grammars is not None:
+            self.grammars.release(seq.request_id)
+        self._release_forks(seq.request_id)  # a parent that ended before its first token
         self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
+        seq.move_to(SequenceStatus.FINISHED)
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         self.remove(seq)
-        seq.finish_reason = reason
+        seq.finish_reason, seq.error = reason, error
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.compiling)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.move_to(SequenceStatus.WAITING)
+        self._insert(self.waiting, seq)
+
+    def _release_forks(self, parent_id: int) -> None:
+        for seq in self.forks.pop(parent_id, ()):
+            self._enqueue(seq)
+
+    def _admit_compiled(self, batch: ScheduledBatch) -> None:
+        """Sequences whose grammar finished compiling join the queue, or end with its error."""
+        grammars = self.grammars
+        for request_id, seq in list(self.compiling.items()):
+            if not grammars.is_compiled(request_id):  # type: ignore[union-attr]
+                continue
+            error = grammars.start_matcher(request_id)  # type: ignore[union-attr]
+            if error is None:
+                del self.compiling[request_id]
+                self._enqueue(seq)
+            else:
+                self.finish(seq, "abort", error)
+                batch.refused.append(seq)
 
     def _key(self, seq: Sequence) -> tuple:
         return seq.sort_key(self.by_priority)
@@ -94,6 +154,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        if self.compiling:
+            self._admit_compiled(batch)
         budget = self.max_num_batched_tokens
         blocks = self.block_manager
         decodes: list[tuple[Sequence, int]] = []  # one-token entries
@@ -139,7 +201,7 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             blocks.allocate(seq, num_new, prefix)
-            seq.status = SequenceStatus.RUNNING
+            seq.move_to(SequenceStatus.RUNNING)
             self._insert(self.running, seq)
             if not seq.started:
                 seq.started = True
@@ -167,6 +229,9 @@ class Scheduler:
         Sequences that finished since the batch was scheduled (aborted while the pass ran)
         are skipped: their work and token are dropped. Returns the sequences that got a
         token, in order; those that finished with it have ``finish_reason`` set and are out.
+        A constrained sequence's token advances its grammar (before the next schedule, whose
+        masks need it); a choice's first token releases the choices waiting for its prefill
+        (its prompt blocks are in the prefix cache now).
         """
         blocks = self.block_manager
         block_size = blocks.block_size
@@ -181,6 +246,11 @@ class Scheduler:
             if seq.status is finished:
                 continue
             reason = seq.append_token(token_id)
+            if len(seq.output_token_ids) == 1 and seq.request_id in self.forks:
+                self._release_forks(seq.request_id)
+            if seq.params.structured is not None and self.grammars is not None \
+                    and self.grammars.accept(seq, token_id) and reason is None:
+                reason = "stop"  # the grammar is complete: it took a stop token under ignore_eos
             if reason is not None:
                 self.finish(seq, reason)
             appended.append(seq)
@@ -191,6 +261,6 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_cached_tokens = 0
-        self.add(seq)
+        self._enqueue(seq)
         batch.preempted.append(seq)
         self.num_preemptions += 1

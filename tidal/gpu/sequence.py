@@ -1,4 +1,9 @@
-"""One request's state inside the engine: its tokens, its KV blocks, its progress."""
+"""One request's state inside the engine: its tokens, its KV blocks, its progress.
+
+Where a sequence is (``SequenceStatus``) changes only through ``Sequence.move_to``, against
+the table ``TRANSITIONS``; an illegal move raises. The scheduler is its only caller: it owns
+every place a sequence waits (tidal/gpu/scheduler.py).
+"""
 
 from __future__ import annotations
 
@@ -15,9 +20,29 @@ if TYPE_CHECKING:
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"  # not yet scheduled, or preempted back to the queue
+    NEW = "new"  # created, not yet placed by the scheduler
+    COMPILING = "compiling"  # waiting for its grammar to compile (no KV, no batch slot)
+    FORKED = "forked"  # a choice waiting for its parent's prefill (n > 1)
+    WAITING = "waiting"  # in the queue: not yet scheduled, or preempted back to it
     RUNNING = "running"  # holds KV blocks and is scheduled every step
     FINISHED = "finished"
+
+
+S = SequenceStatus
+# status -> the statuses it may move to; FINISHED is final
+TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
+    S.NEW: frozenset({S.COMPILING, S.FORKED, S.WAITING, S.FINISHED}),
+    S.COMPILING: frozenset({S.WAITING, S.FINISHED}),
+    S.FORKED: frozenset({S.WAITING, S.FINISHED}),
+    S.WAITING: frozenset({S.RUNNING, S.FINISHED}),
+    S.RUNNING: frozenset({S.WAITING, S.FINISHED}),  # WAITING: preempted
+    S.FINISHED: frozenset(),
+}
+del S
+
+
+class IllegalTransition(RuntimeError):
+    """A sequence was moved where the table does not allow (a bug in the engine)."""
 
 
 @dataclass(eq=False)
@@ -30,7 +55,7 @@ class Sequence:
     arrival_order: int  # tie-breaker that keeps FCFS order stable
     detokenizer: "IncrementalDetokenizer"
     generator: "torch.Generator | None" = None
-    status: SequenceStatus = SequenceStatus.WAITING
+    status: SequenceStatus = SequenceStatus.NEW  # written only by move_to
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     block_table: list[int] = field(default_factory=list)
@@ -40,6 +65,7 @@ class Sequence:
     started: bool = False  # has been scheduled at least once (left the queue)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # why it ended without completing (reported instead of a token)
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None
     # text: output tokens fed to the detokenizer so far, and released text not yet reported
@@ -61,16 +87,14 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def move_to(self, status: SequenceStatus) -> None:
+        """The one writer of ``status``; raises ``IllegalTransition`` off the table."""
+        if status not in TRANSITIONS[self.status]:
+            raise IllegalTransition(f"sequence {self.request_id}: {self.status.value} -> {status.value}")
+        self.status = status
 
     def sort_key(self, by_priority: bool) -> tuple:
         """Lower sorts first: served earlier, preempted later."""
