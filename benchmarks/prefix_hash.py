@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tidal.gpu.block_manager import ROOT_HASH, hash_block  # noqa: E402
+from tidal.wire import ROOT_HASH, hash_block  # noqa: E402
 
 
 def main() -> None:

@@ -9,11 +9,17 @@ Frontend -> engine: ``EngineConfig`` (first frame), then ``AddRequest``, ``Abort
 Engine -> frontend: ``Ready`` (once the model is loaded), then ``StepReport`` (one per
 engine step that produced anything, merged when the pipe is behind), ``Pong``, and
 ``EngineFailed`` if the engine hits an unrecoverable error.
+
+Both sides also share the prefix hash (``hash_block``, ``prefix_hashes``): the engine's prefix
+cache keys its full KV blocks by it and the router's prefix affinity by the same chain.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
+from array import array
+from collections.abc import Sequence
 from typing import Literal, Union
 
 import msgspec
@@ -269,3 +275,34 @@ class FrameSplitter:
         if start:
             del buffer[:start]
         return bodies
+
+
+# ---------------------------------------------------------------- the prefix hash
+
+ROOT_HASH = b""  # the "parent" of a prompt's first block
+HASH_BYTES = 16
+
+
+def hash_block(parent_hash: bytes, tokens: Sequence[int]) -> bytes:
+    """Digest of a full block: BLAKE2b-128 over the parent's digest and the tokens as int32.
+
+    The parent digest has a fixed length (none for the first block) and a block always holds
+    ``block_size`` tokens, so distinct (parent, tokens) pairs never hash the same input. A hit in
+    the engine's prefix cache is trusted without comparing tokens, so the hash must resist
+    collisions (Python's ``hash()`` of a tuple is 64 bits and does not).
+    """
+    return hashlib.blake2b(parent_hash + array("i", tokens).tobytes(), digest_size=HASH_BYTES).digest()
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[bytes]:
+    """The chained digests of the full leading blocks of ``token_ids``, at most ``limit`` of them:
+    entry *k* covers blocks 0..k, and equals the engine's ``Sequence.block_hashes[k]``."""
+    num_blocks = len(token_ids) // block_size
+    if limit is not None:
+        num_blocks = min(num_blocks, limit)
+    hashes = []
+    parent = ROOT_HASH
+    for start in range(0, num_blocks * block_size, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes

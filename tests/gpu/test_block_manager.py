@@ -193,3 +193,17 @@ def test_a_hit_is_exactly_the_longest_common_full_block_prefix(prompts, probe):
             shared += 1
         expected = max(expected, shared)
     assert len(hit) == expected
+
+
+def test_the_routers_prefix_hashes_are_the_engines_block_hashes():
+    """The router's "same prefix" (tidal.engines.router) is the chain the prefix cache keys blocks by."""
+    from tidal.engines.router import prefix_hashes
+
+    bm = BlockManager(num_blocks=16, block_size=4)
+    seq = make_seq(1, list(range(100, 114)))  # three full blocks and two more tokens
+    bm.allocate(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.register_full_blocks(seq)
+    assert len(seq.block_hashes) == 3
+    assert prefix_hashes(seq.token_ids, 4) == seq.block_hashes
+    assert prefix_hashes(seq.token_ids, 4, limit=2) == seq.block_hashes[:2]

@@ -8,8 +8,8 @@ Called once per admitted request (``route``), synchronously, on the event loop. 
    shows too few free KV blocks for this prompt: such a replica would make the request wait for
    blocks, or preempt.
 2. **Prefix affinity.** The router remembers, per replica, the hashes of the block-aligned prompt
-   prefixes it sent there (chained like the engine's prefix cache, so a hit on block *k* means
-   blocks 0..k all match), at most as many as the replica's KV cache has blocks, least recently
+   prefixes it sent there (``tidal.wire.prefix_hashes``: the engine's own prefix-cache chain, so a
+   hit on block *k* means blocks 0..k all match and are the blocks the engine would look up), at most as many as the replica's KV cache has blocks, least recently
    used first out. The replica holding the longest cached prefix of this prompt wins if its load
    is within ``affinity_slack`` of the least loaded replica's ("when its load allows").
 3. Otherwise the least loaded replica wins; ties go to more free KV blocks, then the lower index.
@@ -26,19 +26,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tidal.wire import EngineStats
+from tidal.wire import prefix_hashes as _chain
 
 MAX_AFFINITY_BLOCKS = 256  # hash at most this many leading blocks of a prompt (bounds the cost)
 DEFAULT_AFFINITY_SLACK = 32  # requests; SGLang's router balances beyond an imbalance of 32 as well
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int, limit: int = MAX_AFFINITY_BLOCKS) -> list[int]:
-    """Chained hashes of the full leading blocks of ``token_ids`` (block *k* covers blocks 0..k)."""
-    hashes = []
-    parent = 0
-    for start in range(0, min(len(token_ids) // block_size, limit) * block_size, block_size):
-        parent = hash((parent, *token_ids[start : start + block_size]))
-        hashes.append(parent)
-    return hashes
+def prefix_hashes(token_ids: Sequence[int], block_size: int, limit: int = MAX_AFFINITY_BLOCKS) -> list[bytes]:
+    """The engine's chained block hashes of the full leading blocks of ``token_ids`` (block *k*
+    covers blocks 0..k), the first ``limit`` of them."""
+    return _chain(token_ids, block_size, limit)
 
 
 @dataclass(eq=False)
@@ -65,7 +62,7 @@ class ReplicaView:
         stats = self.stats()
         return stats.num_total_blocks - stats.num_used_blocks
 
-    def cached_blocks(self, hashes: list[int]) -> int:
+    def cached_blocks(self, hashes: list[bytes]) -> int:
         """How many leading blocks of the prompt were sent here before (and may still be cached)."""
         count = 0
         for h in hashes:
@@ -74,7 +71,7 @@ class ReplicaView:
             count += 1
         return count
 
-    def remember(self, hashes: list[int]) -> None:
+    def remember(self, hashes: list[bytes]) -> None:
         prefixes = self.prefixes
         for h in hashes:
             prefixes[h] = None

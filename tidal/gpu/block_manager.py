@@ -5,9 +5,9 @@ Pure Python over plain data (no torch), so it is tested on its own.
 A block holds ``block_size`` consecutive tokens of one sequence. A *full* block is
 registered in the prefix cache under a hash of its tokens chained with the hash of the
 block before it, so equal prefixes (a shared system prompt) map to the same blocks and
-are not recomputed. The hash is a 128-bit BLAKE2b digest: a hit is trusted without
-comparing tokens, so a collision would hand one request another's KV (a wrong answer, and
-across users a leak); Python's ``hash()`` of a tuple is 64 bits and not collision resistant. Blocks are reference counted: a prefix block shared by several
+are not recomputed. The hash is ``tidal.wire.hash_block``, a 128-bit BLAKE2b digest shared
+with the router's prefix affinity: a hit is trusted without comparing tokens, so a collision
+would hand one request another's KV (a wrong answer, and across users a leak). Blocks are reference counted: a prefix block shared by several
 sequences is freed when the last one lets go. A freed block that holds a cached prefix
 stays reusable until the allocator needs it for something else (least recently freed
 first); a freed block without a hash is reused before any cached one.
@@ -19,25 +19,13 @@ freed block.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
 
 from tidal.gpu.sequence import Sequence
+from tidal.wire import ROOT_HASH, hash_block
 
-
-ROOT_HASH = b""  # the "parent" of a sequence's first block
-HASH_BYTES = 16
-
-
-def hash_block(parent_hash: bytes, tokens: Seq[int]) -> bytes:
-    """Digest of a full block: BLAKE2b-128 over the parent's digest and the tokens as int32.
-
-    The parent digest has a fixed length (none for the first block) and a block always holds
-    ``block_size`` tokens, so distinct (parent, tokens) pairs never hash the same input.
-    """
-    return hashlib.blake2b(parent_hash + array("i", tokens).tobytes(), digest_size=HASH_BYTES).digest()
+__all__ = ["ROOT_HASH", "BlockManager", "hash_block"]
 
 
 class BlockManager:
