@@ -59,7 +59,9 @@ def test_engine_killed_mid_stream(engine_kill_server):
             assert client.read_head() == 503
             _assert_engine_error(client.read_json())
         print(f"engine SIGKILL: every client had its error {seconds * 1000:.0f} ms after the kill")
-        assert seconds < 1.5
+        # at once, from the pipe's EOF, not from the heartbeat (default timeout 10 s; the log below says which
+        # path); 5 s holds at a load average of 8
+        assert seconds < 5.0
 
         # inside the one-second grace the server still answers, and says why it is unhealthy
         try:
@@ -76,6 +78,7 @@ def test_engine_killed_mid_stream(engine_kill_server):
             client.close()
     log = server.log()
     assert log.count("engine process exited") == 1, log  # why, logged once
+    assert "did not answer a heartbeat" not in log, log
     assert "exiting with code 3 (engine failure)" in log
 
 
