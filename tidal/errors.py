@@ -38,3 +38,8 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param)
+
+
+def internal_error(exc: BaseException) -> ApiError:
+    """What one request's error boundary answers for a bug: a 500 in the API's shape, for that request only."""
+    return ApiError(500, f"Internal server error: {type(exc).__name__}", "server_error")

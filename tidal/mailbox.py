@@ -3,7 +3,8 @@
 The frontend never waits for a handler. ``put_nowait`` merges a new output into the
 undelivered one (lossless: token ids and text are concatenated), so a handler that falls
 behind reads one bigger delta instead of a backlog of small ones. What a slow reader may
-leave undelivered is bounded by ``max_bytes``; past it the mailbox reports an overflow
+leave undelivered (text, token ids and logprobs: ``output_bytes``) is bounded by ``max_bytes``;
+past it the mailbox reports an overflow
 and the request is aborted as a slow client.
 
 A reader that can use an output the moment it arrives (a stream whose socket takes the frame
@@ -23,6 +24,17 @@ from typing import Callable
 import trio
 
 from tidal.wire import RequestOutput
+
+
+def output_bytes(output: RequestOutput) -> int:
+    """What an undelivered output holds, as counted against ``max_bytes``: its text, its token ids
+    and its logprobs (a float per token and an id and a float per top alternative; with 20 top
+    logprobs that is ~40x the text, so they must count)."""
+    size = len(output.text) + 4 * len(output.token_ids)
+    logprobs = output.logprobs
+    if logprobs is not None:
+        size += 8 * len(logprobs.token_logprobs) + 12 * sum(map(len, logprobs.top_token_ids))
+    return size
 
 
 class Mailbox:
@@ -57,7 +69,7 @@ class Mailbox:
             pending.merge(output)
             self.num_merged += 1
         self.num_pending_chunks += 1
-        self.pending_bytes += len(output.text) + 4 * len(output.token_ids)
+        self.pending_bytes += output_bytes(output)
         self._lot.unpark_all()
         return self.pending_bytes <= self.max_bytes
 

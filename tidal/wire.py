@@ -20,9 +20,21 @@ import hashlib
 import struct
 from array import array
 from collections.abc import Sequence
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
+from msgspec import Meta
+
+# What a frame and the engine can hold. msgpack carries integers in [-2^63, 2^64); the engine
+# keeps counts and token ids in 32 bits; seeds are 64-bit signed (msgspec bounds no wider). The
+# request types (tidal/openai/requests.py) declare their fields with these or narrower bounds,
+# so a value that was accepted always encodes and always fits (issue 23).
+INT32_MAX = 2**31 - 1
+Int32 = Annotated[int, Meta(ge=-(2**31), le=INT32_MAX)]
+Count = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+PositiveCount = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+TokenId = Count
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 
 FinishReason = Literal["stop", "length", "abort"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -46,21 +58,21 @@ class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """What the sampler and the stop checker need. Validated by the frontend."""
 
-    max_tokens: int
+    max_tokens: PositiveCount
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int | None = None
+    top_k: PositiveCount | None = None
     min_p: float = 0.0
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[TokenId, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     # number of top alternatives to report with each token's logprob; None: no logprobs (free)
-    logprobs: int | None = None
+    logprobs: Count | None = None
     structured: StructuredOutput | None = None  # None: unconstrained (no grammar work at all)
 
     @property
@@ -107,9 +119,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
     request_id: int
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[TokenId]
     params: SamplingParams
-    priority: int = 0
+    priority: Int32 = 0
     arrival_time: float = 0.0
     # another choice of the same request (n > 1): the engine schedules this one once that one's
     # prompt is prefilled, so the prompt's full KV blocks come from the prefix cache, not a prefill

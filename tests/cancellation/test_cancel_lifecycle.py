@@ -20,7 +20,8 @@ from tidal.lifecycle import ActiveRequest, IllegalTransition, RequestState
 from tidal.mailbox import Mailbox
 from tidal.metrics import Metrics
 from tidal.errors import ApiError
-from tidal.wire import AbortRequests, AddRequest, EngineConfig, EngineStats, RequestOutput, SamplingParams, StepReport
+from tidal.wire import (HEADER_SIZE, AbortRequests, AddRequest, EngineConfig, EngineStats, RequestOutput,
+                        SamplingParams, StepReport, decode_to_engine)
 
 Q, RUN, FIN, ABT, REJ = (RequestState.QUEUED, RequestState.RUNNING, RequestState.FINISHED, RequestState.ABORTED,
                          RequestState.REJECTED)
@@ -61,11 +62,11 @@ def _frontend() -> tuple[Frontend, EngineClient]:
 
 
 def _sent(engine: EngineClient) -> list:
-    """What the writer task would send to the engine next."""
+    """What the writer task would send to the engine next (the callers encoded each frame)."""
     messages = []
     while True:
         try:
-            messages.append(engine._receive.receive_nowait())
+            messages.append(decode_to_engine(engine._receive.receive_nowait()[HEADER_SIZE:]))
         except trio.WouldBlock:
             return messages
 

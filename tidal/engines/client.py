@@ -103,10 +103,14 @@ class EngineClient:
         return self
 
     def submit_nowait(self, message: AddRequest) -> None:
-        """Queue the request for the engine. Never blocks."""
+        """Queue the request for the engine. Never blocks.
+
+        The frame is encoded here, in the caller's task: a request whose data cannot encode
+        fails its own task, never the writer that every request shares (issue 23).
+        """
         if self.dead is not None:
             raise EngineDead(self.dead)
-        self._send.send_nowait(message)
+        self._send.send_nowait(encode_frame(message))
 
     def abort_nowait(self, request_id: int) -> None:
         """Tell the engine to free the request. Never blocks; no-op once the engine is gone.
@@ -115,7 +119,7 @@ class EngineClient:
         hold it (the lifecycle table knows).
         """
         if self.dead is None:
-            self._send.send_nowait(AbortRequests([request_id]))
+            self._send.send_nowait(encode_frame(AbortRequests([request_id])))
 
     async def ping(self, timeout: float) -> EngineStats | None:
         """Round trip through the engine's step loop; None if it does not answer in time."""
@@ -124,7 +128,7 @@ class EngineClient:
         nonce = next(self._nonces)
         event = self._pongs[nonce] = trio.Event()
         try:
-            self._send.send_nowait(Ping(nonce))
+            self._send.send_nowait(encode_frame(Ping(nonce)))
             with trio.move_on_after(timeout):
                 await event.wait()
                 return self.stats
@@ -228,11 +232,11 @@ class EngineClient:
     async def _write_loop(self, process: trio.Process) -> None:
         receive = self._receive
         stdin = process.stdin
-        async for message in receive:
-            frames = [encode_frame(message)]
+        async for frame in receive:  # encoded by the caller (submit_nowait): nothing here can fail on data
+            frames = [frame]
             while True:  # everything already queued goes in one write
                 try:
-                    frames.append(encode_frame(receive.receive_nowait()))
+                    frames.append(receive.receive_nowait())
                 except trio.WouldBlock:
                     break
             try:

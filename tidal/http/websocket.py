@@ -10,31 +10,40 @@ unchanged. Protocol: docs/websocket.md. Registered by ``routes.create_app``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import trio
+from msgspec import Meta
 from quart import websocket
 
-from tidal.errors import NESTED_TOO_DEEPLY, ApiError, bad_request
+from tidal.errors import NESTED_TOO_DEEPLY, ApiError, bad_request, internal_error
 from tidal.http import auth
+from tidal.http.websocket_gate import WS_PATH
 from tidal.lifecycle import ActiveRequest
 from tidal.openai.encoding import ChunkEncoder
 from tidal.openai.service import Api
 
+log = logging.getLogger("tidal.http.websocket")
+
 _ENDPOINTS = {"chat.completions": "chat", "completions": "completions"}
+
+
+# a request id is echoed in every frame of its stream: any string, or an integer JSON keeps exact
+RequestId = str | Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class ClientMessage(msgspec.Struct):
     type: str
-    id: str | int | None = None
+    id: RequestId | None = None
     endpoint: str | None = None
     body: Any = None  # checked in start(): not an object gets the request's own error, with its id
 
 
 class _MessageId(msgspec.Struct):
-    id: str | int | None = None
+    id: RequestId | None = None
 
 
 _decode = msgspec.json.Decoder(ClientMessage).decode
@@ -63,7 +72,7 @@ def _error_message(request_id: Any, error: ApiError) -> str:
 def register_websocket(app, api: Api, max_requests: int, auth_error: Callable[[Any], ApiError | None]) -> None:
     """Serve ``/v1/ws``; ``auth_error(headers)`` is the HTTP routes' API-key check."""
 
-    @app.websocket("/v1/ws")
+    @app.websocket(WS_PATH)
     async def ws_endpoint():
         subprotocols = websocket.requested_subprotocols
         subprotocol = auth.accepted_subprotocol(subprotocols)
@@ -158,6 +167,9 @@ class Connection:
                 await self.send(_encode({"type": "done", "id": rid, "usage": None, "cancelled": True}).decode())
         except ApiError as error:  # the request ended early (slow client, engine failure)
             await self.send(_error_message(rid, error))
+        except Exception as exc:  # this request's error boundary: an error frame for its id, the connection lives
+            log.exception("request %r on a WebSocket: unexpected error", rid)
+            await self.send(_error_message(rid, internal_error(exc)))
         finally:
             self.streams.pop(rid, None)
             if active is not None:

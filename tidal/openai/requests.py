@@ -8,15 +8,21 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 from tidal.errors import NESTED_TOO_DEEPLY, bad_request
+from tidal.openai import json_depth
 from tidal.openai.tool_calls import named_schema, required_schema
-from tidal.wire import SamplingParams, StructuredOutput
+from tidal.wire import INT32_MAX, SamplingParams, StructuredOutput
 
 _json_encode = msgspec.json.encode
+
+MAX_N = 16  # choices per request; each counts as one sequence against the admission bounds
+MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's bound)
+MAX_LEGACY_LOGPROBS = 5  # completions logprobs (OpenAI's bound)
 
 
 class StreamOptions(msgspec.Struct):
@@ -80,27 +86,53 @@ class StructuredOutputs(msgspec.Struct, kw_only=True):
     json_object: bool | None = None
 
 
+# Every number a request carries, bounded once, here: what OpenAI allows where it says, and never
+# more than the wire and the engine hold (tidal/wire.py), so nothing accepted can fail to encode.
+# A value out of bounds is a 400 whose message is the bound's description (``parse_body``).
+def _bounded(base: type, description: str, **bounds: Any) -> Any:
+    return Annotated[base, Meta(description=description, **bounds)]
+
+
+MaxTokens = _bounded(int, "max_tokens must be at least 1 (and at most 2^31-1)", ge=1, le=INT32_MAX)
+Temperature = _bounded(float, "temperature must be between 0 and 2", ge=0.0, le=2.0)
+TopP = _bounded(float, "top_p must be in (0, 1]", gt=0.0, le=1.0)
+TopK = _bounded(int, "top_k must be -1 (off), 0 (off) or positive (at most 2^31-1)", ge=-1, le=INT32_MAX)
+MinP = _bounded(float, "min_p must be between 0 and 1", ge=0.0, le=1.0)
+Penalty = _bounded(float, "presence_penalty and frequency_penalty must be between -2 and 2", ge=-2.0, le=2.0)
+RepetitionPenalty = _bounded(float, "repetition_penalty must be in (0, 10]", gt=0.0, le=10.0)
+RequestSeed = _bounded(int, "seed must be a 64-bit signed integer", ge=-(2**63), le=2**63 - 1)
+StopTokenId = _bounded(int, "stop_token_ids must be token ids (0 to 2^31-1)", ge=0, le=INT32_MAX)
+StreamInterval = _bounded(int, "stream_interval must be at least 1 (and at most 2^31-1)", ge=1, le=INT32_MAX)
+Priority = _bounded(int, "priority must be in [-2^31, 2^31)", ge=-(2**31), le=INT32_MAX)
+NumChoices = _bounded(int, f"n must be between 1 and {MAX_N}", ge=1, le=MAX_N)
+LegacyLogprobs = _bounded(int, f"logprobs must be an integer between 0 and {MAX_LEGACY_LOGPROBS}",
+                          ge=0, le=MAX_LEGACY_LOGPROBS)
+TopLogprobs = _bounded(int, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", ge=0, le=MAX_TOP_LOGPROBS)
+# a prompt's token ids: any 64-bit integer parses, the vocabulary check names the real range
+PromptTokenId = _bounded(int, "prompt token ids must be 64-bit integers", ge=-(2**63), le=2**63 - 1)
+
+
 class _Common(msgspec.Struct, kw_only=True):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    seed: RequestSeed | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    stop_token_ids: list[StopTokenId] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stream_interval: int | None = None
-    priority: int = 0
-    n: int = 1
-    logprobs: bool | int | None = None
+    stream_interval: StreamInterval | None = None
+    priority: Priority = 0
+    n: NumChoices = 1
+    logprobs: bool | LegacyLogprobs | None = None
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs tokens as "token_id:N"
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -113,8 +145,8 @@ class _Common(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    top_logprobs: int | None = None
+    max_completion_tokens: MaxTokens | None = None
+    top_logprobs: TopLogprobs | None = None
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -122,7 +154,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
 
 class CompletionRequest(_Common, kw_only=True):
-    prompt: str | list[int | str | list[int]]
+    prompt: str | list[PromptTokenId | str | list[PromptTokenId]]
     echo: bool = False
     suffix: str | None = None
 
@@ -157,20 +189,52 @@ def parse_body(kind: Literal["chat", "completions"], body: bytes | dict) -> Chat
 
 def decode_struct(body: bytes | dict, struct: type | msgspec.json.Decoder) -> Any:
     """A body (JSON bytes, or a dict already decoded) as ``struct`` (a Struct, or a Decoder of
-    one); a 400 naming the offending field otherwise. Every route's body goes through here."""
+    one); a 400 naming the offending field otherwise. Every route's body goes through here.
+
+    Everything nested in it (tool parameters, schemas, earlier tool calls) is depth-bounded here,
+    before any recursive code sees it (tidal/openai/json_depth.py); a number out of its bounds is
+    answered with the bound's own description.
+    """
+    request_type = struct.type if isinstance(struct, msgspec.json.Decoder) else struct
     try:
         if isinstance(body, dict):
+            json_depth.check(body)
             return msgspec.convert(body, struct)  # type: ignore[arg-type]
         if isinstance(struct, msgspec.json.Decoder):
-            return struct.decode(body)
-        return msgspec.json.decode(body, type=struct)
+            return json_depth.check(struct.decode(body))
+        return json_depth.check(msgspec.json.decode(body, type=struct))
     except msgspec.ValidationError as exc:
         text = str(exc)
-        raise bad_request(f"Invalid request: {text}", _error_param(text)) from None
+        param = _error_param(text)
+        raise bad_request(_bound_message(request_type, param, text), param) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}") from None
-    except RecursionError:  # msgspec's depth guard: no field of ours nests that deep
+    except (json_depth.TooDeep, RecursionError):  # no field of ours nests that deep
         raise bad_request(NESTED_TOO_DEEPLY) from None
+
+
+_BOUND_VIOLATION = re.compile(r"Expected `[^`]*` (?:[<>]=?|of length)|Number out of range")
+
+
+def _bound_message(request_type: type, param: str | None, text: str) -> str:
+    """msgspec's message, or for a value out of its bounds the bound's own description."""
+    if param is None or not _BOUND_VIOLATION.search(text):
+        return f"Invalid request: {text}"
+    name = re.split(r"[.\[]", param, maxsplit=1)[0]
+    field = next((f for f in msgspec.inspect.type_info(request_type).fields if f.name == name), None)
+    description = _description(field.type) if field is not None else None
+    return f"Invalid request: {description}" if description else f"Invalid request: {text}"
+
+
+def _description(info: Any) -> str | None:
+    """The first bound description in a field's type (a union's or a list's member)."""
+    if isinstance(info, msgspec.inspect.Metadata):
+        return (info.extra_json_schema or {}).get("description") or _description(info.type)
+    for inner in getattr(info, "types", ()) or ((info.item_type,) if hasattr(info, "item_type") else ()):
+        found = _description(inner)
+        if found:
+            return found
+    return None
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -201,7 +265,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             content = "".join(texts)
         entry: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.tool_calls:
-            entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+            entry["tool_calls"] = [_template_tool_call(call, f"messages[{i}].tool_calls[{j}]")
+                                   for j, call in enumerate(message.tool_calls)]
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         if message.name is not None:
@@ -227,13 +292,15 @@ def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return kwargs
 
 
-def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+def _template_tool_call(call: dict[str, Any], param: str) -> dict[str, Any]:
     """An earlier assistant tool call as chat templates expect it: arguments as an object."""
     function = dict(call.get("function") or {})
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            function["arguments"] = json.loads(arguments)
+            function["arguments"] = json_depth.loads(arguments, f"{param}.function.arguments")
+        except json_depth.TooDeep as exc:
+            raise bad_request(str(exc), param) from None
         except ValueError:
             pass  # leave it as text; the template decides
     return {**call, "function": function}
@@ -283,25 +350,18 @@ class Validated:
     thinking: str | None = None  # with a reasoning parser, where the prompt leaves the thinking (reasoning.py)
 
 
-MAX_N = 16  # choices per request; each counts as one sequence against the admission bounds
-MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's bound)
-MAX_LEGACY_LOGPROBS = 5  # completions logprobs (OpenAI's bound)
-
-
 def _logprobs(r: ChatCompletionRequest | CompletionRequest) -> int | None:
     """How many top alternatives to report per token, or None for no logprobs."""
     if isinstance(r, ChatCompletionRequest):
         _check(r.logprobs is None or isinstance(r.logprobs, bool), "logprobs must be a boolean", "logprobs")
         top = r.top_logprobs
-        _check(top is None or 0 <= top <= MAX_TOP_LOGPROBS,
-               f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
         _check(not top or r.logprobs, "top_logprobs needs logprobs: true", "top_logprobs")
         return (top or 0) if r.logprobs else None
     value = r.logprobs
     if value is None or value is False:
         return None
-    _check(not isinstance(value, bool) and 0 <= value <= MAX_LEGACY_LOGPROBS,
-           f"logprobs must be an integer between 0 and {MAX_LEGACY_LOGPROBS}", "logprobs")
+    _check(not isinstance(value, bool), f"logprobs must be an integer between 0 and {MAX_LEGACY_LOGPROBS}",
+           "logprobs")
     return value  # type: ignore[return-value]
 
 
@@ -310,7 +370,9 @@ def _schema_text(schema: Any, param: str) -> str:
     output's properties come in the schema's order."""
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
+            schema = json_depth.loads(schema, "the JSON schema")
+        except json_depth.TooDeep as exc:
+            raise bad_request(str(exc), param) from None
         except ValueError:
             raise bad_request("the JSON schema is not valid JSON", param) from None
     _check(isinstance(schema, (dict, bool)), "the JSON schema must be an object", param)
@@ -423,7 +485,6 @@ def _forced_tool_call(use: ToolUse | None) -> StructuredOutput | None:
 def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> Validated:
     """Range checks shared by both endpoints. Prompt length is checked after tokenising."""
     r = request
-    _check(1 <= r.n <= MAX_N, f"n must be between 1 and {MAX_N}", "n")
     num_logprobs = _logprobs(r)
     structured, structured_param = structured_output(r)
     tools = tool_use(r)
@@ -438,24 +499,15 @@ def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int
     max_tokens = r.max_tokens
     if isinstance(r, ChatCompletionRequest) and r.max_completion_tokens is not None:
         max_tokens = r.max_completion_tokens
-    param = "max_tokens"
-    _check(max_tokens is None or max_tokens >= 1, "max_tokens must be at least 1", param)
     temperature = 1.0 if r.temperature is None else r.temperature
-    _check(0.0 <= temperature <= 2.0, "temperature must be between 0 and 2", "temperature")
     top_p = 1.0 if r.top_p is None else r.top_p
-    _check(0.0 < top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
     top_k = r.top_k
-    _check(top_k is None or top_k >= -1, "top_k must be -1 (off), 0 (off) or positive", "top_k")
     if top_k is not None and top_k <= 0:
         top_k = None
     min_p = 0.0 if r.min_p is None else r.min_p
-    _check(0.0 <= min_p <= 1.0, "min_p must be between 0 and 1", "min_p")
     presence = r.presence_penalty or 0.0
     frequency = r.frequency_penalty or 0.0
-    _check(-2.0 <= presence <= 2.0, "presence_penalty must be between -2 and 2", "presence_penalty")
-    _check(-2.0 <= frequency <= 2.0, "frequency_penalty must be between -2 and 2", "frequency_penalty")
     repetition = 1.0 if r.repetition_penalty is None else r.repetition_penalty
-    _check(0.0 < repetition <= 10.0, "repetition_penalty must be in (0, 10]", "repetition_penalty")
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
     _check(len(stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings are supported "
            f"(got {len(stop)})", "stop")
@@ -468,10 +520,6 @@ def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int
            f"(got {len(stop_ids)})", "stop_token_ids")
     _check(all(0 <= t < vocab_size for t in stop_ids), f"stop_token_ids must be in [0, {vocab_size})",
            "stop_token_ids")
-    _check(r.seed is None or -(2**63) <= r.seed < 2**64, "seed is out of range", "seed")
-    _check(r.stream_interval is None or r.stream_interval >= 1, "stream_interval must be at least 1",
-           "stream_interval")
-    _check(-(2**31) <= r.priority < 2**31, "priority is out of range", "priority")
     params = SamplingParams(
         max_tokens=max_tokens or 1,  # replaced by the room left in the context when not given
         temperature=temperature,

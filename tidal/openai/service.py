@@ -8,12 +8,13 @@ the engine's first output (or the error that ended it) so the status is known be
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
 
 import msgspec
 
-from tidal.errors import ApiError, bad_request
+from tidal.errors import ApiError, bad_request, internal_error
 from tidal.frontend import Frontend
 from tidal.http import fast_send
 from tidal.lifecycle import ActiveRequest
@@ -28,6 +29,7 @@ from tidal.openai.tool_calls import ToolCallStream
 from tidal.tokenizer import PromptTokenizer
 
 PROMPT_TAIL_TOKENS = 32  # the prompt's end that says whether a template opened or closed the thinking
+log = logging.getLogger("tidal.openai.service")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -136,19 +138,40 @@ class Api:
         first = await self.frontend.first_output(active)
         if first.error is not None:  # refused by the engine before it was scheduled
             raise bad_request(first.error, checked.structured_param)
-        interval = (checked.stream_interval or self.frontend.config.stream_interval) if checked.stream else math.inf
-        return OutputReader(self.frontend, active, first, interval,  # type: ignore[arg-type]
+        return OutputReader(self.frontend, active, first, self._interval(checked),  # type: ignore[arg-type]
                             self.logprobs_formatter(checked), self.tool_call_stream(checked),
                             self.reasoning_splitter(checked))
 
+    def later_choice(self, active: ActiveRequest, checked: Validated) -> OutputReader:
+        """The reader of choice i > 0 of a request, which waits for its first output at its first read."""
+        return OutputReader(self.frontend, active, None, self._interval(checked),
+                            self.logprobs_formatter(checked), self.tool_call_stream(checked),
+                            self.reasoning_splitter(checked))
+
+    def _interval(self, checked: Validated) -> float:
+        return (checked.stream_interval or self.frontend.config.stream_interval) if checked.stream else math.inf
+
     async def respond(self, kind: str, body: bytes | dict, scope: dict) -> Answer:
         """A completion request's answer, for any transport: (status, headers, body), the body
-        bytes or the SSE body iterable (``scope``: the ASGI scope, for the direct frame writer)."""
+        bytes or the SSE body iterable (``scope``: the ASGI scope, for the direct frame writer).
+
+        The request's error boundary until its status is sent: whatever goes wrong is this
+        request's answer in OpenAI's error shape (a bug a 500), and nothing else's.
+        """
         try:
-            actives, checked = await self.admit_choices(kind, body)
-            readers = [await self.first_output(active, checked) for active in actives]
+            return await self._respond(kind, body, scope)
         except ApiError as error:
             return error_answer(error)
+        except Exception as exc:
+            log.exception("unexpected error in a %s request", kind)
+            return error_answer(internal_error(exc))
+
+    async def _respond(self, kind: str, body: bytes | dict, scope: dict) -> Answer:
+        actives, checked = await self.admit_choices(kind, body)
+        # the first choice decides the status; the others are read as their output comes (some may
+        # still be queued behind the first ones: waiting for them here would leave those unread)
+        readers = [await self.first_output(actives[0], checked)]
+        readers += [self.later_choice(active, checked) for active in actives[1:]]
         if len(readers) > 1:
             return await self._respond_choices(kind, readers, checked, scope)
         active, reader = actives[0], readers[0]
@@ -180,5 +203,5 @@ class Api:
 
 
 def _offset_seed(seed: int, i: int) -> int:
-    """seed + i, wrapped into the accepted seed range [-2^63, 2^64)."""
-    return seed + i if seed + i < 2**64 else seed + i - 2**64 - 2**63
+    """seed + i, wrapped into the accepted seed range [-2^63, 2^63)."""
+    return seed + i if seed + i < 2**63 else seed + i - 2**64

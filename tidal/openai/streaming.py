@@ -10,6 +10,7 @@ its frames sent by the engine reader task instead (``SseBody._offer``): no wake-
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import trio
@@ -18,11 +19,13 @@ from tidal.http.fast_send import BodyWriter
 from tidal.frontend import Frontend
 from tidal.lifecycle import ActiveRequest
 from tidal.openai.encoding import SSE_DONE, ChunkEncoder, sse, usage
-from tidal.errors import ApiError
+from tidal.errors import ApiError, bad_request, internal_error
 from tidal.openai.reasoning import ReasoningSplitter
 from tidal.openai.token_logprobs import LogprobsFormatter
 from tidal.openai.tool_calls import ToolCallStream
 from tidal.wire import Logprobs, RequestOutput
+
+log = logging.getLogger("tidal.openai.streaming")
 
 
 class OutputReader:
@@ -31,9 +34,12 @@ class OutputReader:
     The reader's end is its mailbox's: a final output (``finish_reason``) or an ``ApiError``.
     """
 
-    def __init__(self, frontend: Frontend, request: ActiveRequest, first: RequestOutput, stream_interval: int,
+    def __init__(self, frontend: Frontend, request: ActiveRequest, first: RequestOutput | None, stream_interval: int,
                  logprobs: LogprobsFormatter | None = None, tool_calls: ToolCallStream | None = None,
                  reasoning: ReasoningSplitter | None = None):
+        """``first``: the request's first output, or None to wait for it at the first read (a
+        choice of n > 1 other than the first, which may still be queued: ``Frontend.first_output``
+        then applies its queue bound)."""
         self.frontend = frontend
         self.request = request
         self.stream_interval = stream_interval
@@ -45,8 +51,9 @@ class OutputReader:
         self._reasoning = reasoning  # splits the model's thinking out of the text (--reasoning-parser)
         self._reasoning_parts: list[str] = []  # thinking read but not yet taken
         self._first: RequestOutput | None = first
+        self._started = first is not None  # the first output has been taken from the mailbox
         self.num_tokens = 0
-        self.num_cached_tokens = first.num_cached_tokens
+        self.num_cached_tokens = first.num_cached_tokens if first is not None else 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: ApiError | None = None
@@ -59,6 +66,13 @@ class OutputReader:
     async def next_delta(self) -> str:
         """The next text delta; ``finish_reason`` is set once it is the last. Raises the ApiError
         that ended the request early (and keeps it in ``error``)."""
+        try:
+            return await self._next_delta()
+        except ApiError as error:  # from the mailbox, or the end of the output (a tool call too deep)
+            self.error = error
+            raise
+
+    async def _next_delta(self) -> str:
         text_parts: list[str] = []
         tokens = 0
         mailbox = self.request.mailbox
@@ -66,12 +80,13 @@ class OutputReader:
             if self._first is not None:
                 output, self._first = self._first, None
                 await trio.lowlevel.checkpoint()
+            elif not self._started:
+                output = await self.frontend.first_output(self.request)
+                self._started = True
+                if output.error is not None:  # refused by the engine before it was scheduled
+                    raise bad_request(output.error)
             else:
-                try:
-                    output = await mailbox.take()
-                except ApiError as error:
-                    self.error = error
-                    raise
+                output = await mailbox.take()
                 self.frontend.note_backlog(self.request)
             text_parts.append(output.text)
             if self.logprobs is not None and output.logprobs is not None:
@@ -114,12 +129,12 @@ class OutputReader:
     @property
     def caught_up(self) -> bool:
         """Everything so far has been read and the request is not over: the next read would wait."""
-        return self._first is None and self.request.mailbox.idle
+        return self._started and self._first is None and self.request.mailbox.idle
 
     @property
     def has_output(self) -> bool:
-        """Output is waiting to be read (reading it will not block)."""
-        return self._first is not None or self.request.mailbox.has_pending
+        """Output or the request's end is waiting to be read (reading it will not block)."""
+        return self._first is not None or not self.request.mailbox.idle
 
     def take_reasoning(self) -> str | None:
         """The thinking read since the last call (None without a reasoning parser or nothing new)."""
@@ -223,13 +238,18 @@ class SseBody:
         while True:
             try:
                 text = await reader.next_delta()
+                finish = reader.finish_reason
+                reasoning = reader.take_reasoning()
+                if finish is None and not text and not reasoning:
+                    continue  # e.g. text held back by the stop-string check: nothing to say yet
+                frame = sse(self.encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls,
+                                                    reasoning))
             except ApiError as error:
                 return sse(error.json()) + SSE_DONE
-            finish = reader.finish_reason
-            reasoning = reader.take_reasoning()
-            if finish is None and not text and not reasoning:
-                continue  # e.g. text held back by the stop-string check: nothing to say yet
-            frame = sse(self.encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls, reasoning))
+            except Exception as exc:  # this request's error boundary: its stream ends with an error frame
+                log.exception("request %d: unexpected error while streaming", reader.request.request_id)
+                reader.error = internal_error(exc)
+                return sse(reader.error.json()) + SSE_DONE
             if finish is not None:
                 if self.include_usage:
                     frame += sse(self.encoder.usage_json(reader.usage()))

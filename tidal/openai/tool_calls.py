@@ -23,6 +23,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tidal.errors import ApiError
+from tidal.openai import json_depth
+
 PARSERS = ("hermes", "llama3_json", "mistral")
 # Calls in one "required" answer (a finite language: a random-weight model must still finish)
 MAX_PARALLEL_TOOL_CALLS = 16
@@ -72,26 +75,13 @@ def named_schema(tool: dict[str, Any]) -> dict[str, Any]:
 
 def parse_forced(text: str, named: str | None) -> list[ToolCall]:
     """The calls in grammar-constrained output (raises ValueError if it is incomplete)."""
-    value = json.loads(text)
+    value = json_depth.loads(text, "the tool call")
     if named is not None:
         return [_call(named, value)]
     return [_call(item["name"], item["arguments"]) for item in value]
 
 
 # ------------------------------------------------------------------ model formats (auto)
-
-
-def _json_values(text: str) -> list[Any]:
-    """Consecutive JSON values in ``text`` (separated by whitespace, ``;`` or ``,``)."""
-    decoder = json.JSONDecoder()
-    values, i = [], 0
-    while True:
-        while i < len(text) and text[i] in " \t\r\n;,":
-            i += 1
-        if i == len(text):
-            return values
-        value, i = decoder.raw_decode(text, i)
-        values.append(value)
 
 
 def parse_model_output(parser: str, text: str) -> tuple[str, list[ToolCall]]:
@@ -107,7 +97,7 @@ def parse_model_output(parser: str, text: str) -> tuple[str, list[ToolCall]]:
         calls = []
         for part in text[start:].split(marker)[1:]:
             body = part.split("</tool_call>", 1)[0]
-            value = json.loads(body)
+            value = json_depth.loads(body, "the tool call")
             calls.append(_call(value.get("name"), value.get("arguments", value.get("parameters"))))
         return text[:start].strip(), calls
     if parser == "mistral":
@@ -116,7 +106,7 @@ def parse_model_output(parser: str, text: str) -> tuple[str, list[ToolCall]]:
         if start < 0:
             return text, []
         calls = []
-        for value in _json_values(text[start + len(marker):]):
+        for value in json_depth.values(text[start + len(marker):]):
             for item in value if isinstance(value, list) else [value]:
                 calls.append(_call(item.get("name"), item.get("arguments", item.get("parameters"))))
         return text[:start].strip(), calls
@@ -126,7 +116,7 @@ def parse_model_output(parser: str, text: str) -> tuple[str, list[ToolCall]]:
             body = body[len(_PYTHON_TAG):]
         if not body.startswith("{"):
             return text, []
-        calls = [_call(v.get("name"), v.get("parameters", v.get("arguments"))) for v in _json_values(body)]
+        calls = [_call(v.get("name"), v.get("parameters", v.get("arguments"))) for v in json_depth.values(body)]
         return "", calls
     raise ValueError(f"unknown tool call parser {parser!r}")
 
@@ -186,6 +176,9 @@ class ToolCallStream:
                 return "", parse_forced(held, self.forced if self.named else None)
             content, calls = parse_model_output(self.parser, held)  # type: ignore[arg-type]
             return content, calls
+        except json_depth.TooDeep as exc:  # the request ends with this error, not a cut stream
+            raise ApiError(400, f"The model's output is not a usable tool call: {exc}", "invalid_request_error",
+                           "tools") from None
         except (ValueError, KeyError, TypeError, AttributeError):
             return held, []  # not a call after all (or cut off by max_tokens): keep it as text
 
