@@ -1,18 +1,24 @@
 """Responses of n > 1 choices: one OutputReader per choice, joined into one response.
 
 Each choice is its own engine request (its own mailbox, finish_reason and random stream; the
-engine forks choices 1..n-1 off choice 0's prefilled prompt). A stream interleaves the choices'
+engine forks choices 1..n-1 off choice 0's prefilled prompt). Every choice is read as its output
+comes, never one after another: a choice still queued (``--max-num-seqs`` below n) or one longer
+than the others must not leave the rest unread, or their stall timer ends them as slow clients.
+Without stream, each choice is collected by its own task. A stream interleaves the choices'
 frames, each chunk with its ``index`` (OpenAI clients assemble choices by index): it serves the
-choices round-robin, taking the next one that has output waiting, and waits on the next one in
-turn when none has (the choices step together, so the others have output by then). Usage counts
-the prompt once and sums the completions.
+choices round-robin, taking the next one that has output waiting, and when none has, waits for
+whichever has output first. Usage counts the prompt once and sums the completions.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import trio
+
+from tidal.errors import ApiError
 from tidal.http.fast_send import BodyWriter
+from tidal.mailbox import Mailbox
 from tidal.openai.encoding import SSE_DONE, ChunkEncoder, sse, usage
 from tidal.openai.streaming import OutputReader, SseBody, collect
 
@@ -23,8 +29,24 @@ def _usage(readers: list[OutputReader]) -> dict[str, Any]:
 
 
 async def collect_choices(readers: list[OutputReader], encoders: list[ChunkEncoder]) -> dict[str, Any]:
-    """The whole response of n choices (stream=false). Raises ApiError."""
-    responses = [await collect(reader, encoder) for reader, encoder in zip(readers, encoders)]
+    """The whole response of n choices (stream=false), each read by its own task. Raises the
+    first ApiError a choice ends with (the others are then no longer read; the caller closes them)."""
+    responses: list[dict[str, Any]] = []
+    errors: list[ApiError] = []
+
+    async def read(reader: OutputReader, encoder: ChunkEncoder, scope: trio.CancelScope) -> None:
+        try:
+            responses.append(await collect(reader, encoder))
+        except ApiError as error:
+            errors.append(error)
+            scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for reader, encoder in zip(readers, encoders):
+            nursery.start_soon(read, reader, encoder, nursery.cancel_scope)
+    if errors:
+        raise errors[0]
+    responses.sort(key=lambda response: response["choices"][0]["index"])
     whole = responses[0]
     whole["choices"] = [response["choices"][0] for response in responses]
     whole["usage"] = _usage(readers)
@@ -61,13 +83,28 @@ class ChoicesSseBody:
             frame = await self._next_frame()
         return frame
 
-    def _pick(self) -> int:
-        """The next choice to serve: round-robin after the last one, preferring waiting output."""
+    def _pick(self) -> int | None:
+        """The next choice to serve: round-robin after the last one, the first with output waiting."""
         order = sorted(self.open, key=lambda i: (i <= self.last, i))
-        return next((i for i in order if self.readers[i].has_output), order[0])
+        return next((i for i in order if self.readers[i].has_output), None)
+
+    async def _wait_for_output(self) -> None:
+        """Park until any open choice has output (or its end) waiting."""
+        async with trio.open_nursery() as nursery:
+            for i in self.open:
+                nursery.start_soon(self._wait_for, self.readers[i].request.mailbox, nursery.cancel_scope)
+
+    @staticmethod
+    async def _wait_for(mailbox: Mailbox, scope: trio.CancelScope) -> None:
+        await mailbox.wait()
+        scope.cancel()
 
     async def _next_frame(self) -> bytes:
-        index = self.last = self._pick()
+        index = self._pick()
+        while index is None:
+            await self._wait_for_output()
+            index = self._pick()
+        self.last = index
         body = self.bodies[index]
         frame = await body._next_frame()
         if frame.endswith(SSE_DONE):
