@@ -106,6 +106,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="Log level of the server (default info); the engine process logs at TIDAL_ENGINE_LOG_LEVEL "
                         "(default WARNING).")
+    g.add_argument("--allowed-origins", default="",
+                   help="Comma-separated origins (e.g. https://app.example) whose web pages may open /v1/ws; "
+                        "'*' allows any. By default only this server's own page may (a page on another origin "
+                        "could otherwise drive the model through the user's browser).")
     g.add_argument("--no-ui", dest="ui", action="store_false",
                    help="Do not serve the chat page at / (docs/ui.md). The API is unaffected.")
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
@@ -194,6 +198,7 @@ def server_config(args: argparse.Namespace):
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         ui=args.ui,
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
     )
 
 

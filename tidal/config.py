@@ -36,6 +36,8 @@ class ServerConfig:
     tool_call_parser: str | None = None  # the model's tool-call format, parsed under tool_choice "auto"
     reasoning_parser: str | None = None  # the model's thinking format (tidal/openai/reasoning.py)
     ui: bool = True  # the chat page at / (docs/ui.md)
+    # origins whose pages may open /v1/ws besides this server's own ("*": any); docs/admission.md
+    allowed_origins: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -36,6 +36,7 @@ from tidal.http import connections, fast_send
 from tidal.config import ServerConfig
 from tidal.engines.client import EngineClient, EngineDead, channel_capacity
 from tidal.http.completion_route import completion_routes
+from tidal.http.websocket_gate import websocket_gate
 from tidal.frontend import Frontend, request_scope_middleware
 from tidal.metrics import Metrics
 from tidal.engines.replicas import ReplicaSet, replica_config
@@ -96,7 +97,8 @@ class Server:
             register_state(app, state)
             if cfg.ui:
                 register_ui(app)
-            asgi = request_scope_middleware(completion_routes(app, api, cfg.api_key), lambda: frontend)
+            asgi = request_scope_middleware(websocket_gate(completion_routes(app, api, cfg.api_key),
+                                                           cfg.allowed_origins), lambda: frontend)
             fast_send.install()
             connections.install()
             hconfig = hypercorn.config.Config()

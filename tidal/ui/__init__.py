@@ -19,7 +19,9 @@ _STATIC = Path(__file__).resolve().parent
 _FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css",
           "favicon.svg": "image/svg+xml"}
 # same-origin only: the page may talk to this server and nothing else
-_CSP = "default-src 'self'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'"
+# frame-ancestors: no other site may frame the page (clickjacking); nosniff: served types are final
+_CSP = ("default-src 'self'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'")
 
 
 def register_state(app, state: ServerState) -> None:
@@ -34,7 +36,8 @@ def register_ui(app) -> None:
 
     def static(name: str) -> Response:
         return Response(files[name], 200, {"Content-Type": f"{_FILES[name]}; charset=utf-8",
-                                           "Cache-Control": "no-cache", "Content-Security-Policy": _CSP})
+                                           "Cache-Control": "no-cache", "Content-Security-Policy": _CSP,
+                                           "X-Content-Type-Options": "nosniff"})
 
     @app.get("/")
     async def index():
