@@ -115,7 +115,8 @@ async def test_at_most_max_waiting_prompts_wait_for_a_thread_then_503(prompt_tok
     assert len(results) == 1 + bound and all(ids == results[0] for ids in results)
 
 
-async def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_tokenising(thread_calls):
+async def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_tokenising(thread_calls, monkeypatch):
+    monkeypatch.setattr(tokenizer_module, "HEAD_CHARS_PER_TOKEN", 10**9)  # this test is about the character bound
     tokenizer = PromptTokenizer(ASSETS, workers=1, max_model_len=64)
     bound = tokenizer.max_prompt_chars
     longest_token = max(map(len, tokenizer._fast.get_vocab(with_added_tokens=True)))
@@ -133,3 +134,29 @@ async def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_token
                                      {"role": "user", "content": "u" * (bound - half + 1)}])
     assert refused.value.status == 400 and refused.value.param == "messages"
     assert thread_calls == ["_encode_text"]  # neither refusal reached a thread
+
+
+async def test_a_long_prompt_over_the_context_is_refused_by_its_head(monkeypatch):
+    """Issue 23 row 15: a hostile 1 MB prompt within the character bound costs tokenising a head of
+    HEAD_CHARS_PER_TOKEN characters per context token, not the megabyte (before: all of it, ~1 s
+    of CPU per prompt on a 2-core host, which starved the neighbours' streams)."""
+    tokenizer = PromptTokenizer(ASSETS, workers=1, max_model_len=4096)
+    lengths = []
+    encode_batch = tokenizer._encode_batch
+
+    def recording(texts, **kwargs):
+        lengths.append(len(texts[0]))
+        return encode_batch(texts, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "_encode_batch", recording)
+    hostile = ("The quick brown fox jumps over the lazy dog. " * 6000)[:tokenizer.max_prompt_chars]
+    assert len(hostile) > 250_000
+    with pytest.raises(ApiError) as refused:
+        await tokenizer.encode_text(hostile)
+    assert refused.value.status == 400 and "maximum context length is 4096 tokens" in refused.value.message
+    assert lengths == [tokenizer_module.HEAD_CHARS_PER_TOKEN * 4096]  # the head only
+    lengths.clear()
+    fits = " " * 40_000  # ~1,300 tokens in 40k characters: the head passes it on, then all of it is encoded
+    assert await tokenizer.encode_text(fits) == tokenizer.tokenizer.encode(fits)
+    assert lengths == [tokenizer_module.HEAD_CHARS_PER_TOKEN * 4096, len(fits)]
+

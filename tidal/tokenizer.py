@@ -35,6 +35,13 @@ MAX_WAITING_PER_WORKER = 16  # prompts that may wait for a tokenizer thread, per
 # NFC/NFKC compose at most 4 code points into 1 (the longest canonical decomposition, e.g. U+1F87)
 NORMALIZER_MAX_MERGE = 4
 TOKENIZER_QUEUE_FULL = "The tokenizer queue is full."
+# A prompt longer than HEAD_CHARS_PER_TOKEN characters per token of context is tokenised by its
+# head first: a head that alone holds more tokens than the context (plus a slack for the last
+# word, cut where the head ends) refuses the prompt without tokenising the rest. So what a
+# hostile prompt costs is bounded by the context, not by its length: a 1 MB prompt for a 4k
+# context costs ~32k characters of tokenising, not 1M, and its neighbours keep the CPU.
+HEAD_CHARS_PER_TOKEN = 8
+HEAD_SLACK_TOKENS = 64
 
 
 # Run in a child process: build the tokenizer exactly as AutoTokenizer does and save it as it was built.
@@ -159,4 +166,12 @@ class PromptTokenizer:
         # encode() holds the GIL throughout (a 1 MB prompt froze the event loop for ~1 s);
         # encode_batch_fast releases it while the Rust code runs, and skips the character
         # offsets nobody here reads: a third less CPU per prompt than encode (the same ids)
+        limit = self.max_model_len
+        if limit is not None and len(text) > HEAD_CHARS_PER_TOKEN * limit:
+            head = self._encode_batch([text[:HEAD_CHARS_PER_TOKEN * limit]], add_special_tokens=add_special_tokens)[0]
+            if len(head.ids) > limit + HEAD_SLACK_TOKENS:
+                raise bad_request(
+                    f"This model's maximum context length is {limit} tokens. However, your request has more than "
+                    f"{len(head.ids) - HEAD_SLACK_TOKENS} input tokens. Please reduce the length of the input.",
+                    "messages")
         return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
