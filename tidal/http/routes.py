@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -20,10 +21,22 @@ from tidal.frontend import SHUTTING_DOWN
 from tidal.anthropic import errors as anthropic_errors
 from tidal.http.agent_routes import AUTHORIZED_PATHS, is_anthropic_path, register_agent_routes
 from tidal.http.auth import auth_error, authorization
+from tidal.http.openapi import app_routes, openapi_document
 from tidal.http.websocket import register_websocket
+from tidal.openai.requests import ChatCompletionRequest, CompletionRequest
+from tidal.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from tidal.openai.service import Api, error_answer, json_answer
 
 log = logging.getLogger("tidal.http.routes")
+
+# The body type of every route that takes one: /openapi.json describes it and the fuzzer sends it
+# (a POST route missing here fails tests/hardening/test_openapi_fuzz.py).
+REQUEST_BODIES: dict[tuple[str, str], type] = {
+    ("POST", "/v1/chat/completions"): ChatCompletionRequest,
+    ("POST", "/v1/completions"): CompletionRequest,
+    ("POST", "/tokenize"): TokenizeRequest,
+    ("POST", "/detokenize"): DetokenizeRequest,
+}
 
 _HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
                      413: "invalid_request_error"}
@@ -115,6 +128,13 @@ def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_rende
     register_agent_routes(app, api, body_bytes)
     register_websocket(app, api, max_ws_requests,
                        lambda headers: auth_error(api_key, headers.get("Authorization", "")))
+
+    @app.get("/openapi.json")
+    async def openapi():
+        # built at the first call: routes registered after create_app (the page, /state) are in it
+        if "openapi" not in app.config:
+            app.config["openapi"] = msgspec.json.encode(openapi_document(app_routes(app), REQUEST_BODIES, "tidal"))
+        return Response(app.config["openapi"], 200, {"Content-Type": "application/json"})
 
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException):
