@@ -140,7 +140,7 @@ def test_model_output_nested_too_deep_ends_the_request_with_an_error(stream):
 async def test_logprobs_count_toward_the_stream_buffer_bound():
     mailbox = Mailbox(max_bytes=1 << 20)
     # 1000 tokens of 1 character with 20 top logprobs: 5 KB of text and ids, ~250 KB of logprobs
-    for _ in range(4):
+    for _ in range(5):
         fine = mailbox.put_nowait(RequestOutput(1, [7] * 1000, "x" * 1000, logprobs=Logprobs(
             [-0.5] * 1000, [[1] * 20] * 1000, [[-1.0] * 20] * 1000)))
     assert not fine, mailbox.pending_bytes  # over 1 MiB undelivered: the reader is a slow client
