@@ -18,9 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tidal.errors import ApiError
+from tidal.http.routes import REQUEST_BODIES
 from tidal.mailbox import Mailbox
 from tidal.openai import json_depth
-from tidal.openai.requests import ChatCompletionRequest, CompletionRequest, parse_body, validate
+from tidal.openai.requests import parse_body, validate
 from tidal.openai.tool_calls import ToolCallStream
 from tidal.wire import HEADER_SIZE, AddRequest, Logprobs, RequestOutput, decode_to_engine, encode_frame
 
@@ -48,7 +49,7 @@ def _numbers(info, path: str):
         yield from _numbers(info.value_type, path + "{}")
 
 
-@pytest.mark.parametrize("request_type", [ChatCompletionRequest, CompletionRequest])
+@pytest.mark.parametrize("request_type", sorted(set(REQUEST_BODIES.values()), key=lambda t: t.__name__))
 def test_every_number_a_request_holds_is_bounded_in_its_type(request_type):
     numbers = list(_numbers(mi.type_info(request_type), request_type.__name__))
     assert numbers  # the walk sees the fields

@@ -17,6 +17,7 @@ import msgspec
 from tidal.errors import ApiError, bad_request
 from tidal.openai.requests import ChatMessage, Tool, decode_struct, template_kwargs, template_messages
 from tidal.tokenizer import PromptTokenizer
+from tidal.wire import INT32_MAX
 
 # A static cap for the schema; the context length (usually smaller) is checked per server.
 MAX_TOKEN_IDS = 1 << 20
@@ -37,7 +38,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
-    tokens: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_TOKEN_IDS)]
+    tokens: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]], msgspec.Meta(max_length=MAX_TOKEN_IDS)]
 
 
 class Tokenization:
