@@ -10,6 +10,8 @@ WebSocket's messages are fuzzed by test_fuzz.py. Bounded time: a few dozen examp
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import msgspec
 import pytest
 import schemathesis
@@ -31,7 +33,8 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 def _app():
     """The app as ``tidal serve`` assembles it (no engine: only its routes are read)."""
-    app = create_app(None, None, 1 << 20, lambda: b"", None)  # type: ignore[arg-type]
+    api = SimpleNamespace(tokenizer=None, model_name="tidal-tiny", max_model_len=64, vocab_size=8192)
+    app = create_app(api, None, 1 << 20, lambda: b"", None)  # type: ignore[arg-type]
     register_state(app, None)  # type: ignore[arg-type]
     register_ui(app)
     return app
