@@ -12,7 +12,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 # Qwen3's template in miniature, in the tidal-tiny tokenizer's role tokens: tools in the system
 # turn, earlier thinking and tool calls rendered back, and ``enable_thinking=false`` closing an
-# empty <think> block in the generation prompt (as Qwen3's own template does).
+# empty <think> block in the generation prompt (as Qwen3's own template does); ``open_thinking=true``
+# opens the block in the prompt instead, as Qwen3-Thinking-2507's and DeepSeek-R1's templates do.
 THINK_TEMPLATE = (
     "{%- if tools %}<s><|system|>\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n{% endif %}"
     "<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools><|end|>\n{% endif %}"
@@ -27,7 +28,8 @@ THINK_TEMPLATE = (
     "{%- else %}<|{{ message.role }}|>\n{{ message.content }}<|end|>\n{% endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|assistant|>\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% elif open_thinking %}<think>\n{% endif %}"
     "{%- endif %}"
 )
 
