@@ -1,5 +1,5 @@
-"""The routes beside chat and completions: vLLM's tokenize/detokenize (Responses and Anthropic
-Messages join them as they land).
+"""The routes beside chat and completions: OpenAI's Responses, Anthropic's Messages, vLLM's
+tokenize/detokenize.
 
 Each answers through a service module that knows its API's shapes; this module only moves
 bytes between quart and that service, as routes.py does for the completion routes.
@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from quart import Response
 
+from tidal.anthropic.service import MessagesService
 from tidal.errors import ApiError
 from tidal.openai.service import Api, error_answer, json_answer
+from tidal.openai.response_store import ResponseStore
+from tidal.openai.responses_service import ResponsesService
 from tidal.openai.tokenize import Tokenization
 
 # Paths outside /v1 that still need the API key (vLLM's tokenizer routes).
@@ -26,8 +29,25 @@ def _answer(answer) -> Response:
     return Response(content, status, headers)
 
 
-def register_agent_routes(app, api: Api, body_bytes) -> None:
+def register_agent_routes(app, api: Api, body_bytes, response_store: ResponseStore | None = None) -> None:
     tokenization = Tokenization(api.tokenizer, api.model_name, api.max_model_len, api.vocab_size)
+    responses = ResponsesService(api, response_store)
+    messages = MessagesService(api)
+
+    @app.post("/v1/messages")
+    async def create_message():
+        return _answer(await messages.respond(await body_bytes()))
+
+    @app.post("/v1/responses")
+    async def create_response():
+        return _answer(await responses.respond(await body_bytes()))
+
+    @app.get("/v1/responses/<response_id>")
+    async def retrieve_response(response_id: str):
+        try:
+            return _answer(json_answer(responses.retrieve(response_id)))
+        except ApiError as error:
+            return _answer(error_answer(error))
 
     @app.post("/tokenize")
     async def tokenize():

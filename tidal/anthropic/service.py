@@ -1,0 +1,167 @@
+"""``POST /v1/messages``: admit -> first output -> answer, with Anthropic's content blocks and events.
+
+The request is translated to chat (tidal/anthropic/messages.py) and admitted by ``Api`` like any
+chat request; the answer reads the same ``OutputReader``. A stream sends Anthropic's events in
+their order: ``message_start``; per block ``content_block_start``, ``content_block_delta``
+(``thinking_delta``, ``text_delta``, ``input_json_delta``), ``content_block_stop``; then
+``message_delta`` (stop reason, output tokens) and ``message_stop``. Errors are Anthropic's
+shape (tidal/anthropic/errors.py). A disconnect closes the request as for chat.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+from tidal.anthropic import errors
+from tidal.anthropic import messages as shapes
+from tidal.errors import ApiError
+from tidal.openai.requests import decode_struct
+from tidal.openai.service import Answer, Api, json_answer
+from tidal.openai.streaming import OutputReader
+
+_json_encode = msgspec.json.encode
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _event(kind: str, **fields: Any) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + _json_encode({"type": kind, **fields}) + b"\n\n"
+
+
+class ContentBlocks:
+    """The content blocks of one answer as its deltas come, and the events that tell them."""
+
+    def __init__(self):
+        self.blocks: list[dict[str, Any]] = []
+        self._open: str | None = None  # the kind of the block deltas go to now ("thinking", "text")
+        self._parts: list[str] = []
+
+    def feed(self, reasoning: str | None, text: str) -> bytes:
+        out = b""
+        if reasoning:
+            out += self._delta("thinking", reasoning)
+        if text:
+            out += self._delta("text", text)
+        return out
+
+    def _delta(self, kind: str, delta: str) -> bytes:
+        out = b""
+        if self._open != kind:
+            out += self.close()
+            start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" \
+                else {"type": "text", "text": ""}
+            out += _event("content_block_start", index=len(self.blocks), content_block=start)
+            self._open = kind
+        self._parts.append(delta)
+        body = {"type": "thinking_delta", "thinking": delta} if kind == "thinking" \
+            else {"type": "text_delta", "text": delta}
+        return out + _event("content_block_delta", index=len(self.blocks), delta=body)
+
+    def close(self) -> bytes:
+        kind, self._open = self._open, None
+        if kind is None:
+            return b""
+        text, self._parts = "".join(self._parts), []
+        block = {"type": "thinking", "thinking": text, "signature": ""} if kind == "thinking" \
+            else {"type": "text", "text": text}
+        out = b""
+        if kind == "thinking":  # the SDK expects a signature on every thinking block
+            out += _event("content_block_delta", index=len(self.blocks), delta={"type": "signature_delta",
+                                                                               "signature": ""})
+        self.blocks.append(block)
+        return out + _event("content_block_stop", index=len(self.blocks) - 1)
+
+    def calls(self, tool_calls: list[dict[str, Any]]) -> bytes:
+        out = self.close()
+        for call in tool_calls:
+            block = shapes.tool_use_block(call)
+            index = len(self.blocks)
+            out += _event("content_block_start", index=index, content_block={**block, "input": {}})
+            out += _event("content_block_delta", index=index, delta={"type": "input_json_delta",
+                                                                     "partial_json": json.dumps(block["input"])})
+            self.blocks.append(block)
+            out += _event("content_block_stop", index=index)
+        return out
+
+
+class MessagesService:
+    def __init__(self, api: Api):
+        self.api = api
+
+    def _message(self, message_id: str, content: list[dict[str, Any]], reader: OutputReader,
+                 done: bool) -> dict[str, Any]:
+        reason, sequence = (shapes.stop_reason(reader.finish_reason, reader.stop_reason, bool(reader.tool_calls))
+                            if done else (None, None))
+        return {"id": message_id, "type": "message", "role": "assistant", "model": self.api.model_name,
+                "content": content, "stop_reason": reason, "stop_sequence": sequence,
+                "usage": shapes.usage(reader.request.num_prompt_tokens, reader.num_tokens if done else 0,
+                                      reader.num_cached_tokens)}
+
+    async def respond(self, body: bytes) -> Answer:
+        try:
+            request: shapes.MessagesRequest = decode_struct(body, shapes.MessagesRequest)
+            if request.model != self.api.model_name:
+                raise ApiError(404, f"The model `{request.model}` does not exist.", "not_found_error", "model")
+            active, checked = await self.api.admit("chat", shapes.chat_request(request))
+            reader = await self.api.first_output(active, checked)
+        except ApiError as error:
+            return errors.error_answer(error)
+        message_id = shapes.new_id("msg")
+        if request.stream:
+            return 200, _SSE_HEADERS, MessagesSseBody(self, reader, message_id)
+        try:
+            blocks = ContentBlocks()
+            while not reader.done:
+                text = await reader.next_delta()
+                blocks.feed(reader.take_reasoning(), text)
+            blocks.calls(reader.tool_calls or [])
+            return json_answer(self._message(message_id, blocks.blocks, reader, done=True))
+        except ApiError as error:
+            return errors.error_answer(error)
+        finally:
+            self.api.frontend.close(active)
+
+
+class MessagesSseBody:
+    """Anthropic's event stream of one message (an async iterable of SSE frames)."""
+
+    def __init__(self, service: MessagesService, reader: OutputReader, message_id: str):
+        self.service = service
+        self.reader = reader
+        self.message_id = message_id
+        self.blocks = ContentBlocks()
+        self._started = False
+        self._finished = False
+
+    def __aiter__(self) -> "MessagesSseBody":
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._finished:
+            raise StopAsyncIteration
+        reader = self.reader
+        if not self._started:
+            self._started = True
+            return _event("message_start", message=self.service._message(self.message_id, [], reader, done=False))
+        while True:
+            try:
+                text = await reader.next_delta()
+            except ApiError as error:
+                self._finished = True
+                return _event("error", error=errors.error_body(error)["error"])
+            frames = self.blocks.feed(reader.take_reasoning(), text)
+            if reader.done:
+                self._finished = True
+                frames += self.blocks.calls(reader.tool_calls or [])
+                reason, sequence = shapes.stop_reason(reader.finish_reason, reader.stop_reason,
+                                                      bool(reader.tool_calls))
+                frames += _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
+                                 usage={"output_tokens": reader.num_tokens})
+                return frames + _event("message_stop")
+            if frames:
+                return frames
+
+    async def aclose(self) -> None:
+        self.reader.frontend.close(self.reader.request)
