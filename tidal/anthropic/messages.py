@@ -20,6 +20,13 @@ import msgspec
 from tidal.errors import bad_request
 
 MAX_MESSAGES = 1024
+INT32_MAX = 2**31 - 1
+# Every number in the body bounded in its type (so /openapi.json and its fuzzer see the bounds)
+MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX, description="max_tokens must be at least 1")]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=1.0, description="temperature must be between 0 and 1")]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0, description="top_p must be in (0, 1]")]
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX, description="top_k must be -1 (off), 0 (off) or positive")]
+BudgetTokens = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX, description="budget_tokens must be at least 0")]
 
 
 class Block(msgspec.Struct, kw_only=True):
@@ -42,14 +49,14 @@ class Message(msgspec.Struct, kw_only=True):
     content: str | list[Block]
 
 
-class Tool(msgspec.Struct, kw_only=True):
+class ClientTool(msgspec.Struct, kw_only=True):
     name: str
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None  # "custom" or absent: a client tool (server tools are refused)
 
 
-class ToolChoice(msgspec.Struct, kw_only=True):
+class MessagesToolChoice(msgspec.Struct, kw_only=True):
     type: str
     name: str | None = None
     disable_parallel_tool_use: bool = False
@@ -57,20 +64,20 @@ class ToolChoice(msgspec.Struct, kw_only=True):
 
 class Thinking(msgspec.Struct, kw_only=True):
     type: str
-    budget_tokens: int | None = None
+    budget_tokens: BudgetTokens | None = None  # accepted; the thinking is bounded by max_tokens
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True):
     model: str
-    max_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    max_tokens: MaxTokens
     messages: Annotated[list[Message], msgspec.Meta(max_length=MAX_MESSAGES)]
     system: str | list[Block] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
+    tools: list[ClientTool] | None = None
+    tool_choice: MessagesToolChoice | None = None
     stop_sequences: list[str] | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
     thinking: Thinking | None = None

@@ -14,7 +14,17 @@ from tidal.errors import ApiError
 from tidal.openai.service import Api, error_answer, json_answer
 from tidal.openai.response_store import ResponseStore
 from tidal.openai.responses_service import ResponsesService
-from tidal.openai.tokenize import Tokenization
+from tidal.anthropic.messages import MessagesRequest
+from tidal.openai.responses import ResponsesRequest
+from tidal.openai.tokenize import DetokenizeRequest, Tokenization, TokenizeRequest
+
+# The body type of each route here, for GET /openapi.json and its fuzzer (tidal/http/openapi.py).
+REQUEST_BODIES: dict[tuple[str, str], type] = {
+    ("POST", "/v1/responses"): ResponsesRequest,
+    ("POST", "/v1/messages"): MessagesRequest,
+    ("POST", "/tokenize"): TokenizeRequest,
+    ("POST", "/detokenize"): DetokenizeRequest,
+}
 
 # Paths outside /v1 that still need the API key (vLLM's tokenizer routes).
 AUTHORIZED_PATHS = frozenset({"/tokenize", "/detokenize"})

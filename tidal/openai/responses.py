@@ -19,6 +19,12 @@ import msgspec
 from tidal.errors import ApiError, bad_request
 
 MAX_INPUT_ITEMS = 1024
+INT32_MAX = 2**31 - 1
+# Every number in the body bounded in its type (so /openapi.json and its fuzzer see the bounds)
+MaxOutputTokens = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX, description="max_output_tokens must be at least 1")]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0, description="temperature must be between 0 and 2")]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0, description="top_p must be in (0, 1]")]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1, description="seed must be a 64-bit signed integer")]
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -83,10 +89,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool = True
     text: TextOptions | None = None
     reasoning: ReasoningOptions | None = None
-    max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None  # an extension (vLLM's): reproducible sampling
+    max_output_tokens: MaxOutputTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    seed: Seed | None = None  # an extension (vLLM's): reproducible sampling
     store: bool = True
     previous_response_id: str | None = None
     stream: bool = False
