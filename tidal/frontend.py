@@ -28,9 +28,12 @@ import trio
 
 from tidal.config import ServerConfig
 from tidal.engines.client import EngineClient
+from tidal.http import fast_send
 from tidal.lifecycle import ActiveRequest, RequestState, RequestTable
 from tidal.mailbox import Mailbox
 from tidal.metrics import Metrics
+from tidal.timeline import Timeline
+from tidal.trace_recorder import TraceRecorder
 from tidal.errors import ApiError
 from tidal.wire import AddRequest, RequestOutput, SamplingParams, StepReport
 
@@ -68,6 +71,8 @@ def request_scope_middleware(app, frontend_getter):
     async def asgi(scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
             return await app(scope, receive, send)
+        # the request's clock starts at its first byte (hypercorn's read of it), else now
+        scope["tidal.received"] = fast_send.first_byte_time(scope) or time.monotonic()
         opened: list[ActiveRequest] = []
         token = _scope.set(opened)
         if scope["type"] == "http":
@@ -106,10 +111,14 @@ def _shield_final_send(send):
 
 
 class Frontend:
-    def __init__(self, config: ServerConfig, engine: EngineClient, metrics: Metrics, max_num_seqs: int):
+    def __init__(self, config: ServerConfig, engine: EngineClient, metrics: Metrics, max_num_seqs: int,
+                 recorder: TraceRecorder | None = None):
         self.config = config
         self.engine = engine
         self.metrics = metrics
+        # publishes each request's timeline when it ends: hop histograms, and spans if tracing is on
+        self.recorder = recorder if recorder is not None else TraceRecorder(metrics)
+        self._report_stamps = (0.0, 0.0)
         self.max_num_seqs = max_num_seqs
         self.by_priority = config.engine.scheduling_policy == "priority"
         self.requests = RequestTable()
@@ -142,8 +151,10 @@ class Frontend:
         raise service_unavailable(QUEUE_FULL)
 
     def open_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-                     fork_of: int | None = None) -> ActiveRequest:
+                     fork_of: int | None = None, timeline: Timeline | None = None) -> ActiveRequest:
         """Admit a request and send it to the engine, or raise an ApiError (503).
+
+        ``timeline``: the request's clock since its first byte (a new one starts now if None).
 
         Synchronous: nothing can be cancelled half-way. The request is closed when the
         enclosing RequestScope ends, if nobody closed it before.
@@ -158,6 +169,10 @@ class Frontend:
         order = next(self._ids)
         victim = self._admit(priority, (priority, now, order))
         engine = engine.pick(prompt_token_ids)  # the replica that will serve it soonest (tidal/engines/router.py)
+        if timeline is None:
+            timeline = Timeline(time.monotonic())
+        timeline.admitted = time.monotonic()
+        timeline.recorder = self.recorder
         request = ActiveRequest(
             request_id=order,
             priority=priority,
@@ -167,8 +182,10 @@ class Frontend:
             params=params,
             mailbox=Mailbox(self.config.max_stream_buffer_bytes),
             engine=engine,
+            timeline=timeline,
         )
         engine.submit_nowait(AddRequest(request.request_id, prompt_token_ids, params, priority, time.time(), fork_of))
+        timeline.queued = time.monotonic()
         self.requests.add(request)
         self.metrics.prompt_tokens_m.inc(len(prompt_token_ids))
         opened = _scope.get()
@@ -209,6 +226,8 @@ class Frontend:
         Events for a request that is no longer live (aborted, rejected) are dropped.
         """
         live = self.requests.live
+        # for the timelines of first outputs (a stand-in engine in a test may not read a pipe)
+        self._report_stamps = (report.sent_at, getattr(engine, "read_time", 0.0))
         for request_id in report.started:
             request = live.get(request_id)
             if request is not None and request.state is RequestState.QUEUED:
@@ -240,11 +259,15 @@ class Frontend:
     def _deliver(self, request: ActiveRequest, output: RequestOutput, now: float) -> None:
         if request.first_output_time is None:
             request.first_output_time = now
-            self.metrics.ttft_m.observe(now - request.arrival_time)
+            self.metrics.first_output_m.observe(now - request.arrival_time)
+            report_sent, report_received = self._report_stamps
+            request.timeline.first_output(output.timing, report_sent, report_received, time.monotonic())
         else:
-            self.metrics.itl_m.observe(now - request.last_output_time)
+            self.metrics.inter_output_m.observe(now - request.last_output_time)
         request.last_output_time = now
+        request.num_output_tokens += len(output.token_ids)
         if output.finish_reason is not None:
+            request.finish_reason = output.finish_reason
             m = self.metrics
             if request.state is RequestState.QUEUED:
                 self._start(request)
@@ -280,11 +303,15 @@ class Frontend:
         """The handler is done with the request. Aborts it if the engine is still working on it."""
         if not request.is_final:
             self.abort(request, reason)
+        self.recorder.finish(request)
 
     def note_backlog(self, request: ActiveRequest) -> None:
         """Count outputs merged because the reader was behind; warn (rate-limited) on big backlogs."""
         backlog = request.mailbox.last_backlog
         if backlog > 1:
+            timeline = request.timeline
+            if backlog > timeline.max_backlog:
+                timeline.max_backlog = backlog
             self.metrics.coalesced_m.inc(backlog - 1)
             if backlog >= 20:
                 now = time.monotonic()

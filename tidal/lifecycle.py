@@ -23,6 +23,7 @@ from typing import Any
 import trio
 
 from tidal.mailbox import Mailbox
+from tidal.timeline import Timeline
 from tidal.wire import SamplingParams
 
 
@@ -66,6 +67,10 @@ class ActiveRequest:
     last_output_time: float | None = None
     # the scope that enforces --max-queue-wait while the request is queued
     queue_scope: trio.CancelScope | None = field(default=None, repr=False)
+    # its clock from first byte to last frame, every hop stamped (tidal/timeline.py); the one owner
+    timeline: Timeline = field(default_factory=lambda: Timeline(0.0), repr=False)
+    num_output_tokens: int = 0  # received from the engine
+    finish_reason: str | None = None  # the engine's, once it finished the request
 
     @property
     def is_final(self) -> bool:

@@ -9,8 +9,12 @@ from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tidal.timeline import HOP_NAMES
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 ABORT_REASONS = ("client_disconnect", "client_cancel", "slow_client", "shutdown", "engine_error")
 REJECT_REASONS = ("queue_full", "queue_timeout", "preempted_by_priority", "shutdown")
@@ -73,10 +77,28 @@ class Metrics:
         self._engine_steps_seen = 0
         self.frontend_requests = Gauge("tidal:frontend_requests_active",
                                        "Requests with state in the frontend.", labels, registry=r)
-        self.ttft = Histogram("tidal:time_to_first_token_seconds", "Arrival to first token.", labels,
+        # what a client sees (docs/metrics.md): from the request's first byte read to its first content
+        # frame handed to the socket, and between the frames handed to the socket
+        self.ttft = Histogram("tidal:time_to_first_token_seconds",
+                              "First byte of the request read to its first content frame written.", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tidal:inter_token_latency_seconds", "Time between engine outputs of a request.",
+        self.itl = Histogram("tidal:inter_token_latency_seconds",
+                             "Time between consecutive content frames of a request written to the socket.",
                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        # the same two from the frontend's side of the pipe (admission, outputs received from the engine)
+        self.first_output = Histogram("tidal:time_to_first_output_seconds",
+                                      "Admission to the request's first engine output received.", labels,
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_output = Histogram("tidal:inter_output_latency_seconds",
+                                      "Time between engine outputs of a request received by the frontend.",
+                                      labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.hop = Histogram("tidal:request_hop_seconds",
+                             "Time a request spent in each hop from its first byte to its last frame "
+                             "(docs/metrics.md, the hop story).", labels + ["hop"], buckets=_HOP_BUCKETS,
+                             registry=r)
+        self.trace_spans_dropped = Counter(
+            "tidal:trace_spans_dropped", "Request spans not exported (--otlp-traces-endpoint): export queue "
+            "full or the collector unreachable.", labels, registry=r)
         self.e2e = Histogram("tidal:e2e_request_latency_seconds", "Arrival to the end of the request.", labels,
                              buckets=_E2E_BUCKETS, registry=r)
         self.queue_time = Histogram("tidal:request_queue_time_seconds", "Arrival to first schedule.", labels,
@@ -126,8 +148,13 @@ class Metrics:
             self.rejected.labels(m, reason)
         for reason in FINISH_REASONS:
             self.finished.labels(m, reason)
-        self.ttft_m = self.ttft.labels(m)
-        self.itl_m = BatchedObservations(self.itl.labels(m))  # one observation per engine output
+        self.ttft_m = BatchedObservations(self.ttft.labels(m))
+        self.itl_m = BatchedObservations(self.itl.labels(m))  # one observation per frame written
+        self.first_output_m = self.first_output.labels(m)
+        self.inter_output_m = BatchedObservations(self.inter_output.labels(m))  # one per engine output
+        self.hop_m = {hop: BatchedObservations(self.hop.labels(m, hop)) for hop in HOP_NAMES}
+        self.trace_spans_dropped_m = self.trace_spans_dropped.labels(m)
+        self._batched = [self.ttft_m, self.itl_m, self.inter_output_m, *self.hop_m.values()]
         self.e2e_m = self.e2e.labels(m)
         self.queue_time_m = self.queue_time.labels(m)
         self.generation_tokens_m = self.generation_tokens.labels(m)
@@ -138,7 +165,8 @@ class Metrics:
 
     def render(self, stats, num_frontend_requests: int, replicas=()) -> bytes:
         """``replicas``: (index, serving, stats, num_restarts) of each data-parallel replica."""
-        self.itl_m.flush()
+        for observations in self._batched:
+            observations.flush()
         m = self.model_name
         live = 0
         for index, serving, replica_stats, num_restarts in replicas:

@@ -12,6 +12,10 @@ engine step that produced anything, merged when the pipe is behind), ``Pong``, a
 
 Both sides also share the prefix hash (``hash_block``, ``prefix_hashes``): the engine's prefix
 cache keys its full KV blocks by it and the router's prefix affinity by the same chain.
+
+Stamps (``received_at``, ``sent_at``, ``EngineTiming``) are ``time.monotonic()`` readings: one
+clock for both processes of a host (CLOCK_MONOTONIC on Linux), so the frontend can lay the
+engine's stamps on a request's timeline (tidal/timeline.py) next to its own.
 """
 
 from __future__ import annotations
@@ -126,6 +130,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     # another choice of the same request (n > 1): the engine schedules this one once that one's
     # prompt is prefilled, so the prompt's full KV blocks come from the prefix cache, not a prefill
     fork_of: int | None = None
+    received_at: float = 0.0  # the engine's reader thread decoded it (set there, not sent)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -173,6 +178,19 @@ class Logprobs(msgspec.Struct, array_like=True):
         self.top_logprobs.extend(later.top_logprobs)
 
 
+class EngineTiming(msgspec.Struct, array_like=True):
+    """The engine's stamps of one request's way to its first token, sent once, with its first output.
+
+    Per request, never per token: the step loop fills it while the request waits and prefills.
+    0.0: not reached (e.g. a request that ended before it was scheduled).
+    """
+
+    received_at: float  # the engine's reader thread decoded its AddRequest
+    scheduled_at: float = 0.0  # its first step was launched (it left the engine's queue)
+    prefill_chunks: list[float] = msgspec.field(default_factory=list)  # launch of each prefill chunk's pass
+    sampled_at: float = 0.0  # its first token was read back from the pass
+
+
 class RequestOutput(msgspec.Struct, array_like=True):
     """New output of one request since the last one sent. Merged, never dropped."""
 
@@ -187,6 +205,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     # set on the only output of a request the engine refused before scheduling it (e.g. a
     # schema its grammar engine cannot compile); the frontend answers it with a 400
     error: str | None = None
+    timing: EngineTiming | None = None  # on a request's first output only
 
     def merge(self, later: "RequestOutput") -> None:
         if later.logprobs is not None:
@@ -199,6 +218,8 @@ class RequestOutput(msgspec.Struct, array_like=True):
         self.finish_reason = later.finish_reason
         self.stop_reason = later.stop_reason
         self.num_cached_tokens = later.num_cached_tokens
+        if self.timing is None:
+            self.timing = later.timing
 
 
 class StepReport(msgspec.Struct, tag="step", array_like=True):
@@ -208,6 +229,7 @@ class StepReport(msgspec.Struct, tag="step", array_like=True):
     outputs: list[RequestOutput]
     finished: list[int]  # requests whose engine state (and KV blocks) are gone, incl. aborted
     stats: EngineStats
+    sent_at: float = 0.0  # the engine wrote it to the pipe (stamped when it is encoded)
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

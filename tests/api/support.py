@@ -25,6 +25,9 @@ METRIC_NAMES = (
     "tidal:frontend_requests_active",
     "tidal:time_to_first_token_seconds",
     "tidal:inter_token_latency_seconds",
+    "tidal:time_to_first_output_seconds",
+    "tidal:inter_output_latency_seconds",
+    "tidal:request_hop_seconds",
     "tidal:e2e_request_latency_seconds",
     "tidal:request_queue_time_seconds",
     "tidal:requests_aborted_total",
@@ -33,6 +36,7 @@ METRIC_NAMES = (
     "tidal:generation_tokens_total",
     "tidal:stream_coalesced_chunks_total",
     "tidal:requests_finished_total",
+    "tidal:trace_spans_dropped_total",
 )
 
 

@@ -334,10 +334,11 @@ def test_metrics_count_what_the_responses_report(client, api_server):
 
     assert delta("tidal:prompt_tokens_total") == response.usage.prompt_tokens
     assert delta("tidal:generation_tokens_total") == response.usage.completion_tokens == 8
-    for histogram in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+    for histogram in ("time_to_first_token", "time_to_first_output", "e2e_request_latency", "request_queue_time"):
         assert delta(f"tidal:{histogram}_seconds_count") == 1
         assert after[f"tidal:{histogram}_seconds_sum"] > before[f"tidal:{histogram}_seconds_sum"]
-    assert 1 <= delta("tidal:inter_token_latency_seconds_count") <= 7  # one per engine output after the first
+    assert 1 <= delta("tidal:inter_output_latency_seconds_count") <= 7  # one per engine output after the first
+    assert delta("tidal:inter_token_latency_seconds_count") == 0  # not streamed: no gap between frames
     finished = f'tidal:requests_finished_total{{finished_reason="length",model_name="{SERVED_MODEL}"}}'
     assert after[finished] - before.get(finished, 0) == 1
     assert after["tidal:kv_cache_blocks_total"] == 128

@@ -260,3 +260,21 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(model_dir):
     others = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
     batched = run_engine(engine, {2: ([5, 6, 7, 8], params), 3: ([9, 9, 9], others), 4: ([1, 2], others)})[2]
     assert alone == batched
+
+
+def test_the_first_output_carries_the_engines_stamps_in_order_and_only_the_first(model_dir):
+    # a budget of 8 tokens prefills a 20-token prompt in three chunks
+    engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=64, block_size=8,
+                                 max_num_batched_tokens=8))
+    engine.add_request(AddRequest(1, list(range(10, 30)), greedy(4), 0, 0.0, None, received_at=2.0))
+    timings = []
+    while engine.has_work():
+        engine.step()
+        report = engine.take_report()
+        timings += [out.timing for out in report.outputs] if report else []
+    first, rest = timings[0], timings[1:]
+    assert first is not None and all(t is None for t in rest)
+    assert first.received_at == 2.0
+    assert len(first.prefill_chunks) == 3
+    assert first.scheduled_at == first.prefill_chunks[0]
+    assert first.prefill_chunks == sorted(first.prefill_chunks) and first.sampled_at >= first.prefill_chunks[-1]

@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Protocol
 
 import trio
@@ -89,6 +90,7 @@ class EngineClient:
         self._nonces = itertools.count(1)
         self._pongs: dict[int, trio.Event] = {}
         self._last_pong_time = 0.0
+        self.read_time = 0.0  # time.monotonic() of the last read from the engine: its reports' "report_received"
 
     # ------------------------------------------------------------------ requests
 
@@ -268,6 +270,7 @@ class EngineClient:
             await trio.lowlevel.wait_readable(fd)
             try:
                 data = os.read(fd, 1 << 16)  # below malloc's mmap threshold: no page faults per read
+                self.read_time = time.monotonic()
             except BlockingIOError:
                 bodies = []
                 continue

@@ -43,8 +43,8 @@ from tidal.gpu.sampler import Sampler, SamplingBatch, make_generator
 from tidal.gpu.scheduler import ScheduledBatch, Scheduler
 from tidal.gpu.sequence import Sequence
 from tidal.gpu.model.synthetic_model import SyntheticModel
-from tidal.wire import (AddRequest, EngineConfig, EngineStats, FinishReason, Logprobs, Ready, RequestOutput,
-                        StepReport)
+from tidal.wire import (AddRequest, EngineConfig, EngineStats, EngineTiming, FinishReason, Logprobs, Ready,
+                        RequestOutput, StepReport)
 
 log = logging.getLogger("tidal.engine")
 
@@ -131,6 +131,7 @@ class Engine:
             generator=make_generator(params.seed, self.runner.device),
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
+            timing=EngineTiming(msg.received_at),
         )
         self.sequences[seq.request_id] = seq
         if not seq.prompt_token_ids or seq.num_tokens >= self.max_model_len:
@@ -169,10 +170,11 @@ class Engine:
         if in_flight is None:
             return False  # nothing fits right now (waiting for blocks)
         tokens, logprobs = in_flight.tokens.result()
+        sampled_at = time.monotonic()  # one stamp per step: the first-token stamp of who got theirs now
         self._apply_late_aborts()  # the abort window: the pass is over, its outputs not yet booked
         appended = self.scheduler.commit(in_flight.batch, tokens)  # commit
         self._in_flight = self._launch()  # the next step's forward starts now ...
-        self._emit_step(appended, logprobs)  # ... and runs while this one's outputs are built
+        self._emit_step(appended, logprobs, sampled_at)  # ... and runs while this one's outputs are built
         return True
 
     def _launch(self) -> InFlight | None:
@@ -186,6 +188,7 @@ class Engine:
         if not batch:
             return None
         launched_at = time.monotonic()
+        _stamp_prefills(batch, launched_at)
         # with min_step_time (tidal-test) the pass lasts that long from its launch, like a device's
         ends_at = launched_at + self.min_step_time if self.min_step_time else 0.0
         return InFlight(batch, self._passes.submit(self._start_pass, self._finish_pass, ends_at, batch))
@@ -241,21 +244,26 @@ class Engine:
         while self.late_aborts:
             self.abort(self.late_aborts.popleft())
 
-    def _emit_step(self, appended: list[Sequence], logprobs: dict[int, Logprobs]) -> None:
-        """The outputs of a committed step."""
+    def _emit_step(self, appended: list[Sequence], logprobs: dict[int, Logprobs], sampled_at: float = 0.0) -> None:
+        """The outputs of a committed step (``sampled_at``: when its tokens were read back)."""
         self.num_steps += 1
         for seq in appended:
-            self._emit(seq, logprobs.get(seq.request_id))
+            self._emit(seq, logprobs.get(seq.request_id), sampled_at)
         self._dirty = True
 
-    def _emit(self, seq: Sequence, logprobs: Logprobs | None = None) -> None:
-        """The output of a sequence that got a token this step, or ended with an error."""
+    def _emit(self, seq: Sequence, logprobs: Logprobs | None = None, sampled_at: float = 0.0) -> None:
+        """The output of a sequence that got a token this step, or ended with an error (a request's
+        first output carries the engine's stamps)."""
         if seq.error is not None:
             self._outputs.append(RequestOutput(
                 request_id=seq.request_id, token_ids=[], text="", finish_reason=seq.finish_reason,
                 error=seq.error))
             self._forget(seq)
             return
+        timing = seq.timing
+        if timing is not None:
+            timing.sampled_at = sampled_at
+            seq.timing = None
         self._outputs.append(RequestOutput(
             request_id=seq.request_id,
             token_ids=[seq.output_token_ids[-1]],
@@ -264,6 +272,7 @@ class Engine:
             stop_reason=seq.stop_reason,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=logprobs,
+            timing=timing,
         ))
         if seq.finish_reason is not None:
             self._forget(seq)
@@ -335,6 +344,21 @@ class StartedPass:
 
 Start = Callable[..., StartedPass]
 Finish = Callable[[StartedPass], T]
+
+
+def _stamp_prefills(batch: ScheduledBatch, launched_at: float) -> None:
+    """Stamp the first schedule and each prefill chunk of the requests still on their way to a first
+    token. Prefill entries come after the decodes, so this walks back over them only (per request,
+    not per token)."""
+    for seq, num_tokens in reversed(batch.entries):
+        timing = seq.timing
+        if timing is None or seq.output_token_ids:  # has its first token (reported or about to be)
+            if num_tokens == 1:
+                break  # a decode: the prefills are behind us
+            continue  # a recompute after preemption
+        if not timing.scheduled_at:
+            timing.scheduled_at = launched_at
+        timing.prefill_chunks.append(launched_at)
 
 
 # The last stretch of a wait for a pass's deadline is spun, not slept: a sleep ends ~50-70 us late on

@@ -16,10 +16,12 @@ import os
 import queue
 import select
 import threading
+import time
 
 from tidal.wire import (
     HEADER_SIZE,
     AbortRequests,
+    AddRequest,
     EngineConfig,
     FrameSplitter,
     RequestOutput,
@@ -73,7 +75,9 @@ class Inbox:
                     break  # the frontend is gone: behave as if told to shut down
                 for body in splitter.feed(data):
                     message = decode_to_engine(body)
-                    if self._late_aborts is not None and isinstance(message, AbortRequests):
+                    if type(message) is AddRequest:
+                        message.received_at = time.monotonic()  # the request's "engine_received" stamp
+                    elif self._late_aborts is not None and isinstance(message, AbortRequests):
                         self._late_aborts.append(message.request_ids)
                     self._queue.put(message)
         except OSError:
@@ -146,6 +150,7 @@ class Outbox:
     def _write_now(self, report: StepReport) -> None:
         """Write one report from the caller's thread (lock held, nothing else pending); what
         the pipe does not take now is left to the writer thread."""
+        report.sent_at = time.monotonic()
         data = encode_frame(report)
         try:
             written = os.write(self._fd, data)
@@ -179,6 +184,7 @@ class Outbox:
                 self._writing = True
             data = unsent + b"".join(encode_frame(m) for m in control)
             if report is not None:
+                report.sent_at = time.monotonic()
                 data += encode_frame(report)
             try:
                 if data:

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tidal.wire import FinishReason, SamplingParams
+from tidal.wire import EngineTiming, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +71,8 @@ class Sequence:
     # text: output tokens fed to the detokenizer so far, and released text not yet reported
     num_detokenized: int = 0
     text: str = ""
+    # the engine's stamps of its way to the first token; sent with its first output, then None
+    timing: "EngineTiming | None" = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

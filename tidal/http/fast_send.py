@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 
 import trio
 
@@ -65,6 +66,7 @@ def install() -> bool:
     TCPServer.protocol_send = protocol_send
     TCPServer.run = run
     _install_chunk_framing()
+    _install_first_byte_stamp()
     _installed = True
     return True
 
@@ -147,6 +149,42 @@ def body_writer(scope: dict) -> BodyWriter | None:
     except ImportError:  # pragma: no cover
         return None
     return BodyWriter(server, raw, h11_protocol, h11.SEND_BODY, ChunkedWriter)
+
+
+def first_byte_time(scope: dict) -> float | None:
+    """When this HTTP/1.1 request's first byte was read (``time.monotonic()``), taken once; None where
+    it was not stamped (TLS, HTTP/2, not installed): the caller takes the scope's arrival instead."""
+    client = scope.get("client")
+    server = _connections.get(tuple(client)) if client else None
+    if server is None:
+        return None
+    h11_protocol = getattr(getattr(server, "protocol", None), "protocol", None)
+    stamp = getattr(h11_protocol, "tidal_first_byte", None)
+    if stamp is not None:
+        h11_protocol.tidal_first_byte = None  # the next request on the connection stamps its own
+    return stamp
+
+
+def _install_first_byte_stamp() -> None:
+    """Stamp the read that brings a request's first byte: data that arrives while h11 waits for a new
+    request (IDLE) starts one. The first such read counts (a head may take several reads), and the
+    request's scope takes the stamp (``first_byte_time``)."""
+    try:
+        import h11
+        from hypercorn.events import RawData
+        from hypercorn.protocol.h11 import H11Protocol
+    except ImportError:  # pragma: no cover
+        return
+    original = H11Protocol.handle
+    idle = h11.IDLE
+
+    async def handle(self, event) -> None:
+        if type(event) is RawData and self.connection.their_state is idle \
+                and getattr(self, "tidal_first_byte", None) is None:
+            self.tidal_first_byte = time.monotonic()
+        await original(self, event)
+
+    H11Protocol.handle = handle
 
 
 def _install_chunk_framing() -> None:

@@ -11,6 +11,7 @@ unchanged. Protocol: docs/websocket.md. Registered by ``routes.create_app``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -25,6 +26,7 @@ from tidal.http.websocket_gate import WS_PATH
 from tidal.lifecycle import ActiveRequest
 from tidal.openai.encoding import ChunkEncoder
 from tidal.openai.service import Api
+from tidal.timeline import Timeline
 
 log = logging.getLogger("tidal.http.websocket")
 
@@ -40,6 +42,7 @@ class ClientMessage(msgspec.Struct):
     id: RequestId | None = None
     endpoint: str | None = None
     body: Any = None  # checked in start(): not an object gets the request's own error, with its id
+    traceparent: Any = None  # the caller's W3C trace context (with tracing on); anything but a string is ignored
 
 
 class _MessageId(msgspec.Struct):
@@ -99,6 +102,7 @@ class Connection:
         async with trio.open_nursery() as nursery:
             while True:
                 raw = await websocket.receive()
+                received = time.monotonic()  # a request's clock starts at its message's arrival
                 try:
                     message = _decode(raw or b"")  # quart-trio hands an empty binary message over as None
                 except msgspec.ValidationError as exc:  # JSON, but not a message: answer its id if it has one
@@ -111,7 +115,7 @@ class Connection:
                     await self.send(_error_message(None, bad_request(NESTED_TOO_DEEPLY)))
                     continue
                 if message.type == "request":
-                    await self.start(nursery, message)
+                    await self.start(nursery, message, received)
                 elif message.type == "cancel":
                     scope = self.streams.get(message.id)
                     if scope is not None:
@@ -120,7 +124,7 @@ class Connection:
                     await self.send(_error_message(message.id, bad_request(
                         f"Unknown message type {message.type!r}: expected 'request' or 'cancel'", "type")))
 
-    async def start(self, nursery: trio.Nursery, message: ClientMessage) -> None:
+    async def start(self, nursery: trio.Nursery, message: ClientMessage, received: float) -> None:
         rid = message.id
         if rid is None or not isinstance(message.body, dict):
             await self.send(_error_message(rid, bad_request("A request needs an 'id' and a 'body' object")))
@@ -136,16 +140,19 @@ class Connection:
                 "rate_limit_error", None, 429)))
         else:
             scope = self.streams[rid] = trio.CancelScope()
-            nursery.start_soon(self.stream, rid, _ENDPOINTS[message.endpoint], message.body, scope)
+            traceparent = message.traceparent if isinstance(message.traceparent, str) else None
+            nursery.start_soon(self.stream, rid, _ENDPOINTS[message.endpoint], message.body, scope,
+                               Timeline(received, traceparent))
 
-    async def stream(self, rid: Any, kind: str, body: dict[str, Any], scope: trio.CancelScope) -> None:
+    async def stream(self, rid: Any, kind: str, body: dict[str, Any], scope: trio.CancelScope,
+                     timeline: Timeline) -> None:
         api = self.api
         id_json = _encode(rid)
         active: ActiveRequest | None = None  # once admitted, even if "cancel" comes while it is queued
         try:
             with scope:
                 try:
-                    active, checked = await api.admit(kind, {**body, "stream": True})
+                    active, checked = await api.admit(kind, {**body, "stream": True}, timeline)
                     reader = await api.first_output(active, checked)
                 except ApiError as error:
                     await self.send(_error_message(rid, error))
@@ -160,6 +167,7 @@ class Connection:
                         continue
                     chunk = encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls, reasoning)
                     await self.send((prefix + chunk + b"}").decode())
+                    timeline.wrote(time.monotonic())
                 await self.send(_encode({"type": "done", "id": rid, "usage": reader.usage()}).decode())
             if scope.cancelled_caught:  # the client sent "cancel"
                 if active is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from typing import Any
 
 import msgspec
@@ -26,6 +27,7 @@ from tidal.openai.reasoning import THINK_END, ReasoningSplitter, prompt_state
 from tidal.openai.streaming import OutputReader, SseBody, collect
 from tidal.openai.token_logprobs import LogprobsFormatter, TokenTexts
 from tidal.openai.tool_calls import ToolCallStream
+from tidal.timeline import Timeline
 from tidal.tokenizer import PromptTokenizer
 
 PROMPT_TAIL_TOKENS = 32  # the prompt's end that says whether a template opened or closed the thinking
@@ -75,24 +77,30 @@ class Api:
             return None
         return LogprobsFormatter(checked.kind, self.token_texts, checked.return_tokens_as_token_ids)
 
-    async def admit(self, kind: str, body: bytes | dict) -> tuple[ActiveRequest, Validated]:
+    async def admit(self, kind: str, body: bytes | dict,
+                    timeline: Timeline | None = None) -> tuple[ActiveRequest, Validated]:
         """Parse, validate, tokenise and admit. Raises ApiError.
 
         Once this returns, the caller holds an open request (its RequestScope closes it too).
+        ``timeline``: the request's clock, started at its first byte (now if None).
         """
-        actives, checked = await self.admit_choices(kind, body, max_n=1)
+        actives, checked = await self.admit_choices(kind, body, max_n=1, timeline=timeline)
         return actives[0], checked
 
-    async def admit_choices(self, kind: str, body: bytes | dict,
-                            max_n: int = MAX_N) -> tuple[list[ActiveRequest], Validated]:
+    async def admit_choices(self, kind: str, body: bytes | dict, max_n: int = MAX_N,
+                            timeline: Timeline | None = None) -> tuple[list[ActiveRequest], Validated]:
         """``admit`` for a request of ``n`` choices: one open request per choice, each counted by
         admission. Choice i > 0 is a fork of choice 0 (the engine prefills the prompt once) and,
         with a seed, draws from seed + i: reproducible and distinct."""
+        if timeline is None:
+            timeline = Timeline(time.monotonic())
+        timeline.operation = "chat" if kind == "chat" else "text_completion"
         parsed = parse_body(kind, body)  # type: ignore[arg-type]
         if parsed.model is not None and parsed.model != self.model_name:
             raise ApiError(404, f"The model `{parsed.model}` does not exist.", "not_found_error", "model",
                            "model_not_found")
         checked = validate(parsed, self.vocab_size)
+        timeline.parsed = time.monotonic()
         if kind == "chat":
             tools = [msgspec.to_builtins(t) for t in parsed.tools] if parsed.tools else None  # type: ignore[union-attr]
             prompt_ids = await self.tokenizer.encode_chat(chat_messages(parsed), tools,  # type: ignore[arg-type]
@@ -110,12 +118,14 @@ class Api:
         if kind == "chat" and self.reasoning_parser is not None:
             checked = self._with_thinking(checked, prompt_ids)
         params = fit_max_tokens(checked, len(prompt_ids), self.max_model_len)
-        first = self.frontend.open_request(prompt_ids, params, checked.priority)
+        timeline.tokenized = time.monotonic()
+        first = self.frontend.open_request(prompt_ids, params, checked.priority, timeline=timeline)
         actives = [first]
         for i in range(1, checked.n):
             seed = params.seed
             choice = params if seed is None else msgspec.structs.replace(params, seed=_offset_seed(seed, i))
-            actives.append(self.frontend.open_request(prompt_ids, choice, checked.priority, fork_of=first.request_id))
+            actives.append(self.frontend.open_request(prompt_ids, choice, checked.priority, fork_of=first.request_id,
+                                                      timeline=timeline.fork()))
         return actives, checked
 
     def _with_thinking(self, checked: Validated, prompt_ids: list[int]) -> Validated:
@@ -131,6 +141,16 @@ class Api:
         if checked.thinking is None:
             return None
         return ReasoningSplitter(self.reasoning_parser, checked.thinking)  # type: ignore[arg-type]
+
+    def timeline(self, scope: dict) -> Timeline:
+        """An HTTP request's clock, from its first byte (stamped by ``request_scope_middleware``); with
+        tracing on, it carries the caller's ``traceparent`` header."""
+        received = scope.get("tidal.received") or time.monotonic()
+        if self.frontend.recorder.exporter is None:
+            return Timeline(received)
+        traceparent = next((value.decode("latin-1") for name, value in scope.get("headers", ())
+                            if name == b"traceparent"), None)
+        return Timeline(received, traceparent)
 
     async def first_output(self, active: ActiveRequest, checked: Validated) -> OutputReader:
         """Wait for the request's first output (raises the ApiError that ended it before); the
@@ -167,7 +187,7 @@ class Api:
             return error_answer(internal_error(exc))
 
     async def _respond(self, kind: str, body: bytes | dict, scope: dict) -> Answer:
-        actives, checked = await self.admit_choices(kind, body)
+        actives, checked = await self.admit_choices(kind, body, timeline=self.timeline(scope))
         # the first choice decides the status; the others are read as their output comes (some may
         # still be queued behind the first ones: waiting for them here would leave those unread)
         readers = [await self.first_output(actives[0], checked)]

@@ -11,6 +11,7 @@ its frames sent by the engine reader task instead (``SseBody._offer``): no wake-
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import trio
@@ -181,6 +182,7 @@ class SseBody:
         self._direct = (writer is not None and reader.stream_interval <= 1 and reader.logprobs is None
                         and reader._tool_calls is None and reader._reasoning is None)
         self._unsent = b""  # the tail of a frame the socket did not take in ``_offer``
+        self._timeline = reader.request.timeline  # each frame handed to the socket is stamped on it
 
     def __aiter__(self) -> "SseBody":
         return self
@@ -194,6 +196,7 @@ class SseBody:
             if self._unsent:
                 tail, self._unsent = self._unsent, b""
                 await self.writer.write_framed(tail)
+                self._timeline.wrote(time.monotonic())
             elif self._direct and reader.caught_up and self.writer.ready():
                 mailbox.direct = self._offer
                 try:
@@ -204,10 +207,14 @@ class SseBody:
                 frame = await self._next_frame()
                 if not await self.writer.write(frame):
                     self.writer = None
+                    self._timeline.wrote(time.monotonic())  # handed to the ASGI send
                     return frame
+                self._timeline.wrote(time.monotonic())
         if reader.done:
             raise StopAsyncIteration
-        return await self._next_frame()
+        frame = await self._next_frame()
+        self._timeline.wrote(time.monotonic())  # handed to the ASGI send
+        return frame
 
     def _offer(self, output: RequestOutput) -> bool:
         """Send a non-final output's frame now, from the reader task; False: let this task do it."""
@@ -223,7 +230,9 @@ class SseBody:
             tail = self.writer.send_now(frame)  # type: ignore[union-attr]
             if tail is None:
                 return False
-            if tail:  # the socket is full: this task sends the rest, then waits for the client
+            if not tail:
+                self._timeline.wrote(time.monotonic())
+            else:  # the socket is full: this task sends the rest, then waits for the client
                 self._unsent = tail
                 mailbox = reader.request.mailbox
                 mailbox.direct = None
