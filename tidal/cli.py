@@ -145,6 +145,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="Seconds without an answer from the engine's step loop before it is declared hung "
                         "(default 10).")
 
+    g = p.add_argument_group("observability (see docs/metrics.md and docs/tracing.md)")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="Export one span per request, a child per hop, over OTLP/HTTP (protobuf) to URL, e.g. "
+                        "http://localhost:4318/v1/traces (needs the 'otel' extra: pip install tidal[otel]).")
+    g.add_argument("--vllm-metric-names", action="store_true",
+                   help="Also export the engine-state gauges under vLLM's names (vllm:num_requests_waiting, ...), "
+                        "for the Gateway API Inference Extension's endpoint picker (docs/scaling.md).")
+
 
 def server_config(args: argparse.Namespace):
     from tidal.config import ServerConfig
@@ -199,10 +207,20 @@ def server_config(args: argparse.Namespace):
         reasoning_parser=args.reasoning_parser,
         ui=args.ui,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        vllm_metric_names=args.vllm_metric_names,
     )
 
 
 def _check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.otlp_traces_endpoint is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is None:
+            p.error("--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP/HTTP exporter: "
+                    "pip install 'tidal[otel]'")
+        if not args.otlp_traces_endpoint.startswith(("http://", "https://")):
+            p.error("--otlp-traces-endpoint must be an http:// or https:// URL (OTLP over HTTP)")
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tokenizer_workers", "stream_interval"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")

@@ -38,6 +38,8 @@ class ServerConfig:
     ui: bool = True  # the chat page at / (docs/ui.md)
     # origins whose pages may open /v1/ws besides this server's own ("*": any); docs/admission.md
     allowed_origins: tuple[str, ...] = ()
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP URL for request spans (docs/tracing.md); None: off
+    vllm_metric_names: bool = False  # also export the engine gauges as vllm:* (docs/scaling.md)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

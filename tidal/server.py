@@ -38,6 +38,7 @@ from tidal.engines.client import EngineClient, EngineDead, channel_capacity
 from tidal.http.completion_route import completion_routes
 from tidal.http.websocket_gate import websocket_gate
 from tidal.frontend import Frontend, request_scope_middleware
+from tidal.trace_recorder import TraceRecorder
 from tidal.metrics import Metrics
 from tidal.engines.replicas import ReplicaSet, replica_config
 from tidal.engines.router import Router
@@ -84,8 +85,9 @@ class Server:
         async with trio.open_nursery() as nursery:
             ready = await nursery.start(self._run_engine)
             tokenizer = await PromptTokenizer.load(ready.model, cfg.tokenizer_workers, ready.max_model_len)
+            recorder = TraceRecorder(self.metrics, self._span_export())
             frontend = self.frontend = Frontend(cfg, self.engine, self.metrics,
-                                                ready.max_num_seqs * cfg.data_parallel_size)
+                                                ready.max_num_seqs * cfg.data_parallel_size, recorder)
             api = Api(frontend, tokenizer, cfg.model_name, ready.max_model_len, ready.vocab_size,
                       cfg.tool_call_parser, cfg.reasoning_parser)
             app = create_app(api, cfg.api_key, cfg.max_request_body_bytes,
@@ -117,8 +119,23 @@ class Server:
             if cfg.ui:
                 log.info("chat page: %s/ (--no-ui turns it off)", self.urls[0])
             task_status.started(self.urls)
-            await self._stopped.wait()
+            try:
+                await self._stopped.wait()
+            finally:
+                if recorder.exporter is not None:  # flush the last spans, on the export thread's time
+                    with trio.CancelScope(shield=True), trio.move_on_after(5):
+                        await trio.to_thread.run_sync(recorder.exporter.shutdown, abandon_on_cancel=True)
             nursery.cancel_scope.cancel()
+
+    def _span_export(self):
+        """The OTLP span exporter (tidal/otel.py) with --otlp-traces-endpoint, else None (nothing imported)."""
+        endpoint = self.config.otlp_traces_endpoint
+        if endpoint is None:
+            return None
+        from tidal.otel import SpanExport  # the opentelemetry SDK: only when tracing is on
+
+        log.info("tracing: one span per request to %s (OTLP/HTTP)", endpoint)
+        return SpanExport(endpoint, self.metrics.model_name, self.metrics.trace_spans_dropped_m.inc)
 
     def _connection_limit(self) -> connections.ConnectionLimit:
         fd_limit = connections.raise_fd_limit()
