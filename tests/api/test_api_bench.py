@@ -72,6 +72,14 @@ def test_bench_agrees_with_the_server(request, tmp_path, endpoint):
         assert record["success"] and record["output_tokens"] == OUTPUT_LEN
         assert 0 < record["ttft_ms"] <= record["e2e_ms"]
         assert all(gap >= 0 for gap in record["itl_ms"])
+    # the server's hop breakdown of this run: every request through every hop to its first frame
+    assert "where the time went" in result.stdout and "prefill *" in result.stdout
+    hops = {row["hop"]: row for row in report["hops"]}
+    for hop in ("parse", "tokenize", "admit", "engine_queue", "prefill", "report_out", "deliver", "first_frame",
+                "stream"):
+        assert hops[hop]["count"] == NUM_PROMPTS, hop
+        assert hops[hop]["mean_ms"] >= 0 and hops[hop]["p50_ms"] <= hops[hop]["p99_ms"]
+    assert {hop for hop, row in hops.items() if row["engine"]} == {"engine_queue", "prefill", "report_out"}
 
 
 def test_bench_without_the_api_key_fails_cleanly(api_server, tmp_path):

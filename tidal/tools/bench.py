@@ -36,6 +36,7 @@ import trio
 import trio_websocket
 
 from tidal.tools.bench_metrics import RequestRecord, StreamObserver, arrival_offsets, summarize
+from tidal.tools.hop_breakdown import HopSnapshot, breakdown, format_breakdown
 from tidal.tools.ws_client import TidalWSClient, TidalWSError, open_tidal_ws
 
 __all__ = [
@@ -424,6 +425,32 @@ async def run_benchmark(
     return [r for r in records if r is not None], duration
 
 
+async def scrape_hops(config: BenchConfig) -> HopSnapshot | None:
+    """The server's hop histograms now (GET /metrics); None if it has none (not tidal, or unreachable)."""
+    try:
+        async with httpx.AsyncClient(base_url=config.base_url) as client:
+            response = await client.get("/metrics", timeout=10.0)
+    except httpx.HTTPError:
+        return None
+    snapshot = HopSnapshot(response.text) if response.status_code == 200 else None
+    return None if snapshot is None or snapshot.empty and "tidal:request_hop_seconds" not in response.text \
+        else snapshot
+
+
+async def _scrape_hops_after(config: BenchConfig, before: HopSnapshot | None, num_requests: int) -> HopSnapshot | None:
+    """The hop histograms once the run's requests are all in them (a request is observed as its
+    connection's handler ends, a moment after its client read the last byte), or after 2 s."""
+    if before is None:
+        return None
+    deadline = trio.current_time() + 2.0
+    while True:
+        after = await scrape_hops(config)
+        if after is None or trio.current_time() > deadline or \
+                after.counts.get("parse", 0.0) - before.counts.get("parse", 0.0) >= num_requests:
+            return after
+        await trio.sleep(0.05)
+
+
 # -- output -------------------------------------------------------------------------------------
 
 
@@ -616,6 +643,7 @@ async def _main(config: BenchConfig, args: argparse.Namespace) -> int:
             print(f"tidal bench: no tokenizer found for model {model!r}: --input-len counts words "
                   "(pass --tokenizer DIR for exact token counts)", file=sys.stderr)
     prompts = make_prompts(config.num_prompts, config.input_len, config.seed, config.tokenizer)
+    hops_before = await scrape_hops(config)
     with tqdm(total=len(prompts), file=sys.stderr, disable=args.no_progress, unit="req") as progress:
         try:
             records, duration = await run_benchmark(config, prompts, model, on_done=lambda _: progress.update(1))
@@ -625,7 +653,12 @@ async def _main(config: BenchConfig, args: argparse.Namespace) -> int:
             print(f"tidal bench: cannot connect to {_ws_url(config.base_url)}: {_describe(reason)}", file=sys.stderr)
             return 1
     report = build_report(config, model, records, duration)
+    hops_after = await _scrape_hops_after(config, hops_before, len(records))
+    if hops_before is not None and hops_after is not None:
+        report["hops"] = breakdown(hops_before, hops_after)
     print(format_report(report))
+    if report.get("hops"):
+        print(format_breakdown(report["hops"]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"tidal bench: results written to {Path(args.json).resolve()}", file=sys.stderr)
