@@ -21,6 +21,17 @@ REJECT_REASONS = ("queue_full", "queue_timeout", "preempted_by_priority", "shutd
 FINISH_REASONS = ("stop", "length")  # aborted requests are counted in requests_aborted
 
 
+# (vLLM's name, the tidal gauge attribute it mirrors, help): the gauges the Gateway API Inference
+# Extension's endpoint picker scrapes from vLLM (vllm:gpu_cache_usage_perc is vLLM's older name)
+VLLM_GAUGES = (
+    ("vllm:num_requests_running", "num_requests_running", "Requests running in the engine (tidal:num_requests_running)."),
+    ("vllm:num_requests_waiting", "num_requests_waiting", "Requests waiting to be scheduled (tidal:num_requests_waiting)."),
+    ("vllm:kv_cache_usage_perc", "kv_cache_usage_perc", "Fraction of KV blocks in use (tidal:kv_cache_usage_perc)."),
+    ("vllm:gpu_cache_usage_perc", "kv_cache_usage_perc", "Fraction of KV blocks in use (tidal:kv_cache_usage_perc; "
+                                                         "vLLM's older name)."),
+)
+
+
 class BatchedObservations:
     """Observations of one histogram child, counted in plain ints and added to it when /metrics
     is rendered (``flush``).
@@ -57,7 +68,7 @@ class BatchedObservations:
 
 
 class Metrics:
-    def __init__(self, model_name: str, num_replicas: int = 1):
+    def __init__(self, model_name: str, num_replicas: int = 1, vllm_names: bool = False):
         self.registry = r = CollectorRegistry()
         labels = ["model_name"]
         self.num_requests_running = Gauge("tidal:num_requests_running",
@@ -136,6 +147,12 @@ class Metrics:
         self.routed = Counter("tidal:requests_routed", "Requests routed to each replica, by why it was chosen "
                               "(load: least loaded; prefix: it caches the prompt's prefix).",
                               rlabels + ["reason"], registry=r)
+        # --vllm-metric-names: the engine gauges again under vLLM's names, for what reads those (the
+        # Gateway API Inference Extension's endpoint picker, vLLM's dashboards; docs/scaling.md)
+        self.vllm_gauges: list[tuple[Gauge, str]] = []
+        if vllm_names:
+            for name, attribute, doc in VLLM_GAUGES:
+                self.vllm_gauges.append((Gauge(name, doc, labels, registry=r), attribute))
         m = model_name
         for replica in range(num_replicas):
             for reason in ("load", "prefix"):
@@ -191,4 +208,9 @@ class Metrics:
         self.engine_steps_m.inc(max(0, stats.step - self._engine_steps_seen))
         self._engine_steps_seen = stats.step
         self.frontend_requests.labels(m).set(num_frontend_requests)
+        if self.vllm_gauges:  # the same values as tidal's own gauges just set
+            values = {"num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
+                      "kv_cache_usage_perc": stats.num_used_blocks / total}
+            for gauge, attribute in self.vllm_gauges:
+                gauge.labels(m).set(values[attribute])
         return generate_latest(self.registry)

@@ -57,7 +57,7 @@ class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
         num_replicas = config.data_parallel_size
-        self.metrics = m = Metrics(config.model_name, num_replicas)
+        self.metrics = m = Metrics(config.model_name, num_replicas, config.vllm_metric_names)
         # admission bounds what all replicas hold together; any one replica may get all of it
         max_in_flight = config.max_queued_requests + config.engine.max_num_seqs * num_replicas
 
