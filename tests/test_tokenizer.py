@@ -153,7 +153,8 @@ async def test_a_long_prompt_over_the_context_is_refused_by_its_head(monkeypatch
     assert len(hostile) > 250_000
     with pytest.raises(ApiError) as refused:
         await tokenizer.encode_text(hostile)
-    assert refused.value.status == 400 and "maximum context length is 4096 tokens" in refused.value.message
+    assert refused.value.status == 400 and refused.value.param == "prompt"
+    assert "maximum context length is 4096 tokens" in refused.value.message
     assert lengths == [tokenizer_module.HEAD_CHARS_PER_TOKEN * 4096]  # the head only
     lengths.clear()
     fits = " " * 40_000  # ~1,300 tokens in 40k characters: the head passes it on, then all of it is encoded

@@ -149,7 +149,7 @@ class PromptTokenizer:
         except Exception as exc:  # a template may raise on roles or orders it does not support
             raise bad_request(f"The chat template could not render these messages: {exc}", "messages") from None
         # the template writes the special tokens it wants (e.g. BOS); add none of our own
-        return self._encode(text, add_special_tokens=False)
+        return self._encode(text, add_special_tokens=False, param="messages")
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         """The text of ``token_ids`` (short work: the caller bounds the count)."""
@@ -160,9 +160,9 @@ class PromptTokenizer:
         return [self._fast.id_to_token(t) or "" for t in token_ids]
 
     def _encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._encode(text, add_special_tokens)
+        return self._encode(text, add_special_tokens, param="prompt")
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         # encode() holds the GIL throughout (a 1 MB prompt froze the event loop for ~1 s);
         # encode_batch_fast releases it while the Rust code runs, and skips the character
         # offsets nobody here reads: a third less CPU per prompt than encode (the same ids)
@@ -173,5 +173,5 @@ class PromptTokenizer:
                 raise bad_request(
                     f"This model's maximum context length is {limit} tokens. However, your request has more than "
                     f"{len(head.ids) - HEAD_SLACK_TOKENS} input tokens. Please reduce the length of the input.",
-                    "messages")
+                    param)
         return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
