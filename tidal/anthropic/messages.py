@@ -29,6 +29,13 @@ TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX, description="top_k must 
 BudgetTokens = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX, description="budget_tokens must be at least 0")]
 
 
+class TextBlock(msgspec.Struct, kw_only=True):
+    """A block inside a tool_result or the system prompt (text; other kinds are refused)."""
+
+    type: str
+    text: str | None = None
+
+
 class Block(msgspec.Struct, kw_only=True):
     """One content block (its kinds' fields in one struct): text, tool_use, tool_result, thinking."""
 
@@ -38,7 +45,7 @@ class Block(msgspec.Struct, kw_only=True):
     name: str | None = None
     input: dict[str, Any] | None = None
     tool_use_id: str | None = None
-    content: str | list[Block] | None = None
+    content: str | list[TextBlock] | None = None  # a tool_result's
     is_error: bool | None = None
     thinking: str | None = None
     signature: str | None = None
@@ -71,7 +78,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     model: str
     max_tokens: MaxTokens
     messages: Annotated[list[Message], msgspec.Meta(max_length=MAX_MESSAGES)]
-    system: str | list[Block] | None = None
+    system: str | list[TextBlock] | None = None
     tools: list[ClientTool] | None = None
     tool_choice: MessagesToolChoice | None = None
     stop_sequences: list[str] | None = None
@@ -83,7 +90,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     thinking: Thinking | None = None
 
 
-def _text(content: str | list[Block] | None, where: str) -> str:
+def _text(content: str | list[Block] | list[TextBlock] | None, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     texts = []

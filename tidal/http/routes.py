@@ -20,11 +20,11 @@ from tidal.errors import ApiError
 from tidal.frontend import SHUTTING_DOWN
 from tidal.anthropic import errors as anthropic_errors
 from tidal.http.agent_routes import AUTHORIZED_PATHS, is_anthropic_path, register_agent_routes
+from tidal.http.agent_routes import REQUEST_BODIES as AGENT_REQUEST_BODIES
 from tidal.http.auth import auth_error, authorization
 from tidal.http.openapi import app_routes, openapi_document
 from tidal.http.websocket import register_websocket
 from tidal.openai.requests import ChatCompletionRequest, CompletionRequest
-from tidal.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from tidal.openai.service import Api, error_answer, json_answer
 
 log = logging.getLogger("tidal.http.routes")
@@ -34,8 +34,7 @@ log = logging.getLogger("tidal.http.routes")
 REQUEST_BODIES: dict[tuple[str, str], type] = {
     ("POST", "/v1/chat/completions"): ChatCompletionRequest,
     ("POST", "/v1/completions"): CompletionRequest,
-    ("POST", "/tokenize"): TokenizeRequest,
-    ("POST", "/detokenize"): DetokenizeRequest,
+    **AGENT_REQUEST_BODIES,  # /v1/responses, /v1/messages, /tokenize, /detokenize
 }
 
 _HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
