@@ -4,7 +4,8 @@ A model with the stack and the same model loaded with ``TIDAL_CPU_STACK=0`` run 
 a prefill beside a decode, then decodes) on their own caches: every step's logits and, at the end, every
 cache block must be equal, and the decode steps must not run the Python layers at all. Covered for each
 architecture switch the stack reads (q/k/v bias and tied embeddings: qwen2; q/k norms: qwen3) and for both
-linears it drives (bf16 on AVX512-BF16; float32 on bf16-stored weights, the AVX2 path).
+linears it drives (bf16 on AVX512-BF16; float32 on bf16-stored weights, the AVX2 path; float32 on int8 and
+int4 weights).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tidal.gpu.model.attention import TorchPagedAttention
 from tidal.gpu.model.layers import avx2_linear_ops, gemv_ops
 from tidal.gpu.model.loader import load_model
 from tidal.gpu.model.llama import LlamaDecoderLayer
+from tidal.gpu.model.quantization import int_linear_ops
 
 CPU = torch.device("cpu")
 # head_dim 32: the bf16 attention kernel's own path, which takes prefill rows too (so mixed steps use the stack)
@@ -25,6 +27,9 @@ SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head
 LINEARS = {
     "bf16": (torch.bfloat16, None, gemv_ops(torch.bfloat16, CPU) is not None),
     "avx2": (torch.float32, torch.bfloat16, avx2_linear_ops(CPU) is not None),
+    # --quantization: float32 activations on int8/int4 weights (csrc/linear_int.cpp)
+    "int8": (torch.float32, None, int_linear_ops(CPU) is not None),
+    "int4": (torch.float32, None, int_linear_ops(CPU) is not None),
 }
 
 
@@ -32,7 +37,8 @@ def load(model_dir: str, linears: str, monkeypatch, stack: bool):
     dtype, linear_weights, _ = LINEARS[linears]
     with monkeypatch.context() as env:
         env.setenv("TIDAL_CPU_STACK", "1" if stack else "0")
-        model, config = load_model(model_dir, dtype, CPU, TorchPagedAttention(CPU), linear_weights=linear_weights)
+        model, config = load_model(model_dir, dtype, CPU, TorchPagedAttention(CPU), linear_weights=linear_weights,
+                                   quantize=linears if linears.startswith("int") else None)
     return model, config, dtype
 
 

@@ -230,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
 
         It runs the same C++ ops as the layers' Python, in the same order, in one call: at decode that
         Python cost ~0.7 ms of CPU per step of a 12-layer model whose step takes ~6.5 ms. It needs every op on its C++ kernel
-        (a CPU model with every linear packed for linear_bf16 or linear_avx2, the fused norm, rotary and
+        (a CPU model with every linear packed for linear_bf16, linear_avx2 or linear_int, the fused norm, rotary and
         SiLU-and-mul, the paged attention kernel) and no tensor parallelism; ``TIDAL_CPU_STACK=0`` turns
         it off (benchmarks compare the two).
         """
@@ -240,7 +240,8 @@ class LlamaForCausalLM(nn.Module):
         first = layers[0]
         linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
         avx2 = all(linear.avx2_packed is not None for linear in linears)
-        if not (avx2 or all(linear.gemv_packed is not None for linear in linears)):
+        ints = all(linear.int_packed is not None for linear in linears)  # int8/int4 weights (csrc/linear_int.cpp)
+        if not (avx2 or ints or all(linear.gemv_packed is not None for linear in linears)):
             return None
         norms = [m for layer in layers for m in layer.modules() if isinstance(m, RMSNorm)]
         if (any(norm._ops is None for norm in norms) or first.mlp._ops is None or self.rotary._ops is None
@@ -253,8 +254,8 @@ class LlamaForCausalLM(nn.Module):
             for part in (layer.input_layernorm.weight, attn.qkv_proj, attn.o_proj, layer.post_attention_layernorm.weight,
                          mlp.gate_up_proj, mlp.down_proj):
                 if isinstance(part, Linear):
-                    tensors += [part.avx2_packed if avx2 else part.gemv_packed,
-                                empty if part.bias is None else part.bias]
+                    packed = part.int_packed.packed if ints else part.avx2_packed if avx2 else part.gemv_packed
+                    tensors += [packed, empty if part.bias is None else part.bias]
                 else:
                     tensors.append(part)
             tensors += [empty, empty] if attn.q_norm is None else [attn.q_norm.weight, attn.k_norm.weight]
@@ -262,8 +263,18 @@ class LlamaForCausalLM(nn.Module):
         attn = first.self_attn
         shape = [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.qkv_proj.out_features,
                  attn.o_proj.out_features, first.mlp.gate_up_proj.out_features, first.mlp.down_proj.out_features]
-        self._stack_max_rows = None if avx2 else attn.qkv_proj._gemv_rows
-        return torch.classes.tidal_cpu.DecoderStack(tensors, shape, avx2, first.input_layernorm.eps, attn.scale)
+        self._stack_max_rows = None if avx2 or ints else attn.qkv_proj._gemv_rows
+        stack = torch.classes.tidal_cpu.DecoderStack(tensors, shape, avx2 or ints, first.input_layernorm.eps, attn.scale)
+        if ints:
+            int_tensors, params = [], []
+            for layer in layers:
+                for part in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                             layer.mlp.down_proj):
+                    weight = part.int_packed
+                    int_tensors += [weight.packed, weight.scales, empty if weight.offsets is None else weight.offsets]
+                    params += [weight.bits, weight.group_size]
+            stack.use_int_linears(int_tensors, params)
+        return stack
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters (casting to the model dtype).

@@ -28,6 +28,10 @@ struct StackLinear {
   at::Tensor packed;
   int64_t n;
   std::optional<at::Tensor> bias;
+  // int8/int4 weights (linear_int), set by use_int_linears: bits 0 means packed is a bf16 layout
+  int64_t bits = 0, group_size = 0;
+  at::Tensor scales;
+  std::optional<at::Tensor> offsets;
 };
 
 struct StackLayer {
@@ -77,6 +81,25 @@ class DecoderStack : public torch::CustomClassHolder {
     }
   }
 
+  // Run every linear on int8/int4 weights (linear_int): per layer, for qkv, o, gate_up and down in that order,
+  // tensors (packed, scales, offsets or an empty tensor) and params (bits, group_size); the packed tensors
+  // given to the constructor were these same ones.
+  void use_int_linears(std::vector<at::Tensor> tensors, std::vector<int64_t> params) {
+    TORCH_CHECK(tensors.size() == layers_.size() * 12 && params.size() == layers_.size() * 8,
+                "expected 12 tensors and 8 params per layer");
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      StackLinear* linears[] = {&layers_[i].qkv, &layers_[i].o, &layers_[i].gate_up, &layers_[i].down};
+      for (int j = 0; j < 4; ++j) {
+        const at::Tensor* t = tensors.data() + i * 12 + j * 3;
+        linears[j]->packed = t[0];
+        linears[j]->scales = t[1];
+        linears[j]->offsets = present(t[2]);
+        linears[j]->bits = params[i * 8 + j * 2];
+        linears[j]->group_size = params[i * 8 + j * 2 + 1];
+      }
+    }
+  }
+
   // The model's forward over the rows: embedding, every layer, final norm; returns the final-normed hidden
   // states [T, hidden], as LlamaForCausalLM.forward does. cos/sin: the rows' rotary angles [T, head_dim];
   // tables/lens: each row's block table and attended length (TorchPagedAttention.kernel_rows).
@@ -121,6 +144,7 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   at::Tensor linear(const at::Tensor& x, const StackLinear& w) const {
+    if (w.bits != 0) return linear_int(x, w.packed, w.scales, w.offsets, w.n, w.bits, w.group_size, w.bias);
     return avx2_ ? linear_avx2(x, w.packed, w.n, w.bias) : linear_bf16(x, w.packed, w.n, w.bias);
   }
 
@@ -137,5 +161,6 @@ class DecoderStack : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.class_<tidal_cpu::DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, bool, double, double>())
+      .def("use_int_linears", &tidal_cpu::DecoderStack::use_int_linears)
       .def("forward", &tidal_cpu::DecoderStack::forward);
 }

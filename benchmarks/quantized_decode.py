@@ -1,0 +1,117 @@
+"""Decode step at batch 1: the anchor model in bf16 against int8 and int4 weights, side by side in one run.
+
+    python benchmarks/quantized_decode.py [--model-dir DIR] [--size small] [--batches 1] [--steps 40]
+                                          [--rounds 3] [--threads 2] [--clock wall|cpu]
+                                          [--anchors ../shared/anchors]
+
+Makes the anchor model with ``../shared/anchors/make_tiny_model.py DIR --size small`` (bf16 weights) unless
+DIR holds one, loads it the way the engine does (``--dtype auto``: on a CPU without native bf16, float32
+activations over bf16-stored linear weights; with native bf16, bf16) three times: as is, with
+``--quantization int8`` and with ``--quantization int4``, and times ``model(batch)`` plus ``compute_logits``
+for one decode token per sequence at ``--context`` cached tokens. Rows are repeated ``--rounds`` times,
+interleaved, and the median is reported. The floor is the bytes the step reads in linear weights (integers,
+scales, offsets; the dense LM head) over the host's read bandwidth, measured in the same run (a sum over a
+1 GiB tensor in 2 MiB pages, where the weights live). The bf16 model runs its layers in one C++ call
+(csrc/decoder_stack.cpp) where it can; a "bf16, python layers" row runs them as the quantized models do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+from decode_step import decode_batch, read_bandwidth, time_steps  # noqa: E402
+from tidal.gpu.cpu import huge_pages  # noqa: E402
+from tidal.gpu.model import quantization  # noqa: E402
+from tidal.gpu.model.attention import TorchPagedAttention  # noqa: E402
+from tidal.gpu.model.layers import Linear  # noqa: E402
+from tidal.gpu.model.loader import checkpoint_weight_dtype, load_model  # noqa: E402
+from tidal.gpu.model.precision import resolve_precision  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def anchor_model(model_dir: str, size: str, anchors: str) -> str:
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        subprocess.run([sys.executable, os.path.join(anchors, "make_tiny_model.py"), model_dir, "--size", size],
+                       check=True)
+    return model_dir
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: this process's CPU time (with --threads 1 it shrugs off a busy machine)")
+    ap.add_argument("--anchors", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "anchors"),
+                    help="the directory of make_tiny_model.py (default: ../shared/anchors from the checkout)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    model_dir = anchor_model(args.model_dir or os.path.join(tempfile.gettempdir(), f"tidal-anchor-{args.size}"),
+                             args.size, args.anchors)
+    precision = resolve_precision("auto", torch.device("cpu"), checkpoint_weight_dtype(model_dir))
+    bandwidth = read_bandwidth(huge=True)
+    flags = sorted({f for f in open("/proc/cpuinfo").read().split()
+                    if f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16")})
+    print(f"host flags: {' '.join(flags)}; int kernel ISA {quantization.int_linear_ops('cpu').linear_int_isa()}; "
+          f"torch threads {args.threads}; {args.clock} clock; read bandwidth {bandwidth / 1e9:.1f} GB/s (2 MiB pages); "
+          f"{args.size} anchor model; dtype {str(precision.dtype).removeprefix('torch.')} ({precision.reason}); "
+          f"load average {os.getloadavg()[0]:.2f}\n")
+
+    models = {}
+    for label, quantize, stack in (("bf16", None, "1"), ("bf16, python layers", None, "0"),
+                                   ("int8", "int8", "1"), ("int4", "int4", "1")):
+        os.environ["TIDAL_CPU_STACK"] = stack
+        model, config = load_model(model_dir, precision.dtype, torch.device("cpu"), TorchPagedAttention("cpu"),
+                                   linear_weights=precision.linear_weights, quantize=quantize)
+        quantized, dense = quantization.weight_bytes([m for m in model.modules() if isinstance(m, Linear)])
+        models[label] = (model, quantized + dense)
+    os.environ.pop("TIDAL_CPU_STACK")
+
+    print("| weights | batch | step ms (median of rounds) | rounds | linear weight MB read | floor ms | "
+          "step / floor | tok/s | vs bf16 |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        shape = (batch * (args.context // BLOCK_SIZE + 1), BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+        flat = huge_pages.zeros(shape, precision.dtype, 2 * config.num_layers)
+        for cache in flat:
+            cache.copy_(torch.randn(shape))
+        caches = list(zip(flat[::2], flat[1::2]))
+        fb = decode_batch(batch, args.context, config.vocab_size)
+        times: dict[str, list[float]] = {label: [] for label in models}
+        for _ in range(args.rounds):
+            for label, (model, _) in models.items():
+                def step(model=model) -> None:
+                    hidden = model(fb, caches)
+                    model.compute_logits(hidden[fb.logits_indices])
+
+                times[label].append(time_steps(step, args.steps, clock))
+        base = statistics.median(times["bf16"])
+        for label, (_, nbytes) in models.items():
+            median = statistics.median(times[label])
+            floor = nbytes / bandwidth
+            spread = ", ".join(f"{t * 1e3:.2f}" for t in times[label])
+            print(f"| {label} | {batch} | {median * 1e3:.2f} | {spread} | {nbytes / 1e6:.1f} | {floor * 1e3:.2f} | "
+                  f"{median / floor:.2f}x | {batch / median:.0f} | {base / median:.2f}x |", flush=True)
+    print(f"\nafter the run: read bandwidth {read_bandwidth(huge=True) / 1e9:.1f} GB/s, "
+          f"load average {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
