@@ -30,7 +30,12 @@ def with_zero_points(weight: QuantizedWeight, seed: int) -> QuantizedWeight:
 def assert_matches(out: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight, bias) -> None:
     dense = weight.dequantize().double()
     exact = x.double() @ dense.T + (0 if bias is None else bias.double())
-    magnitude = x.double().abs() @ dense.abs().T + (0 if bias is None else bias.double().abs())
+    # the kernel computes q * scale - zero_point * scale (int4: with 8 added to both), each term rounded
+    k = weight.q.shape[1]
+    terms = weight.q.double().abs() + 8 + (0 if weight.zero_points is None else weight.zero_points.double().abs()
+                                           .repeat_interleave(weight.group_size, dim=1)[:, :k])
+    per_weight = terms * weight.scales.double().repeat_interleave(weight.group_size, dim=1)[:, :k]
+    magnitude = x.double().abs() @ per_weight.T + (0 if bias is None else bias.double().abs())
     bound = magnitude * (x.shape[-1] + 4) * 2.0**-23 + 1e-30
     error = (out.double() - exact).abs()
     assert (error <= bound).all(), f"max error {error.max():.3g}"
