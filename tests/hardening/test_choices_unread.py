@@ -4,8 +4,8 @@ Before the fix the choices were read one after another: without stream, the unre
 output piled up past ``--stream-stall-timeout`` while the first was collected (a 503
 ``slow_client`` after a 200's worth of work); with stream, the reader waited on a choice still
 queued (``--max-num-seqs`` below n) while the running ones went unread. Here the stall timeout
-is 2 s and each choice takes at least 120 steps of 20 ms, with two of the four queued behind the
-other two.
+is 2 s and each choice takes at least 200 steps of 20 ms, with two of the four queued behind the
+other two (two rounds: 8 s). Both tests fail with the old tidal/openai/choices.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import httpx
 import pytest
 from live_server import LiveServer
 
-MAX_TOKENS = 120
+MAX_TOKENS = 200
 BODY = {"prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "ignore_eos": True, "n": 4}
 
 
