@@ -51,6 +51,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache size in GiB (default 1). Ignored if --num-kv-blocks is given.")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="Exact number of KV blocks (overrides "
                    "--kv-cache-memory).")
+    g.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                   help="Seconds a structured-output request waits for its grammar to compile before a 400 "
+                        "(default 10).")
+    g.add_argument("--grammar-cache-bytes", type=int, default=512 << 20,
+                   help="Compiled grammars kept for reuse, in bytes (default 512 MiB).")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="Disable the prefix cache (on by default).")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
@@ -176,6 +181,8 @@ def server_config(args: argparse.Namespace):
         seed=args.seed,
         num_threads=args.engine_threads,
         min_step_time=args.min_step_time,
+        grammar_compile_timeout=args.grammar_compile_timeout,
+        grammar_cache_bytes=args.grammar_cache_bytes,
         tensor_parallel_size=args.tensor_parallel_size,
         nnodes=args.nnodes,
         node_rank=args.node_rank,

@@ -113,6 +113,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    # structured output (docs/admission.md): a request's wait for its grammar before a 400, and the
+    # compiled grammars kept, in bytes
+    grammar_compile_timeout: float = 10.0
+    grammar_cache_bytes: int = 512 << 20
     # Test model knob: every forward pass lasts at least this long (seconds). Lets the
     # cancellation tests put an abort "mid-forward" deterministically.
     min_step_time: float = 0.0
@@ -202,8 +206,9 @@ class RequestOutput(msgspec.Struct, array_like=True):
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     logprobs: Logprobs | None = None  # only for requests that asked, one entry per token id
-    # set on the only output of a request the engine refused before scheduling it (e.g. a
-    # schema its grammar engine cannot compile); the frontend answers it with a 400
+    # set on the last output of a request the engine ended for what it asked (a schema its grammar
+    # engine cannot compile, a constraint that cannot be met); the frontend answers it with a 400,
+    # or, once the stream has begun, ends the stream with that error
     error: str | None = None
     timing: EngineTiming | None = None  # on a request's first output only
 
@@ -220,6 +225,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
         self.num_cached_tokens = later.num_cached_tokens
         if self.timing is None:
             self.timing = later.timing
+        self.error = later.error
 
 
 class StepReport(msgspec.Struct, tag="step", array_like=True):

@@ -6,6 +6,7 @@ tidal-tiny has random weights: at temperature 1 only the mask makes its output v
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import pytest
@@ -35,7 +36,8 @@ def run(engine: Engine, requests: dict[int, SamplingParams], prompt=(5, 6, 7, 8)
     for _ in range(10_000):
         if not engine.has_work():
             break
-        engine.step()
+        if not engine.step():
+            time.sleep(0.005)  # a grammar compiles on its thread: poll as the process loop does
         report = engine.take_report()
         for out in report.outputs if report else []:
             texts[out.request_id] += out.text
@@ -103,3 +105,89 @@ def test_a_gated_constraint_applies_only_after_its_gate_ids(engine):
     assert ids[:cut] == free_ids[:cut]
     assert texts[501].endswith(("alpha", "beta")) and outputs[501][-1].finish_reason == "stop", texts[501]
     assert len(ids) < 40
+
+
+# ---------------------------------------------------------------- bounds (issue 23 rows 7-11)
+
+def test_a_repeated_schema_compiles_once_and_the_cache_is_bounded_in_bytes(engine):
+    grammars = engine.grammars
+    first = StructuredOutput("regex", "[a-f]{2,4}-cache-once")
+    second = StructuredOutput("regex", "[g-m]{2,4}-cache-twice")
+    before = grammars.num_compiles
+    for rid in (600, 601):  # one after the other: the second is a cache hit
+        run(engine, {rid: SamplingParams(max_tokens=30, temperature=1.0, seed=rid, structured=first)})
+    assert grammars.num_compiles == before + 1
+    size = grammars._cache[(first.kind, first.spec)].memory_size_bytes
+    saved = grammars.cache_bytes
+    grammars.cache_bytes = size * 3 // 2  # room for one grammar of this size, not two
+    try:
+        run(engine, {602: SamplingParams(max_tokens=30, temperature=1.0, seed=2, structured=second)})
+        assert grammars.num_cached_bytes <= grammars.cache_bytes
+        assert list(grammars._cache) == [(second.kind, second.spec)]  # the others went, oldest first
+        run(engine, {603: SamplingParams(max_tokens=30, temperature=1.0, seed=3, structured=first)})
+        assert grammars.num_compiles == before + 3  # evicted by bytes, so compiled again
+        assert grammars.num_cached_bytes <= grammars.cache_bytes
+    finally:
+        grammars.cache_bytes = saved
+
+
+def test_the_tokenizer_info_is_built_off_the_step_loop(monkeypatch):
+    import threading
+
+    import xgrammar
+
+    built_on = []
+    original = xgrammar.TokenizerInfo.from_huggingface
+
+    def recording(*args, **kwargs):
+        built_on.append(threading.current_thread())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(xgrammar.TokenizerInfo, "from_huggingface", recording)
+    fresh = Engine(EngineConfig(model="tidal-tiny", num_kv_blocks=64, max_num_seqs=4))
+    texts, outputs = run(fresh, {1: SamplingParams(max_tokens=20, temperature=1.0, seed=1,
+                                                   structured=StructuredOutput("regex", "[xyz]{3}"))})
+    assert len(built_on) == 1 and built_on[0] is not threading.current_thread()
+    assert outputs[1][-1].finish_reason == "stop" and len(texts[1]) == 3
+
+
+def test_an_abandoned_compile_is_dropped_and_a_slow_one_is_refused_in_time(engine):
+    grammars = engine.grammars
+    slow = StructuredOutput("json_schema", json.dumps({"enum": [f"value-{i:05d}" for i in range(20000)]}))
+    engine.add_request(AddRequest(700, [5, 6, 7], SamplingParams(max_tokens=20, structured=slow)))
+    engine.abort([700])  # its only requester left: nobody waits for this compile any more
+    assert not grammars._compiles and grammars.num_waiting == 0
+    # a tiny constraint does not queue behind it
+    texts, outputs = run(engine, {701: SamplingParams(max_tokens=20, temperature=1.0, seed=1,
+                                                      structured=StructuredOutput("regex", "[pq]{2}-abandon"))})
+    assert outputs[701][-1].finish_reason == "stop" and texts[701].endswith("-abandon")
+    saved = grammars.compile_timeout
+    grammars.compile_timeout = 0.05
+    try:
+        _, outputs = run(engine, {702: SamplingParams(max_tokens=20, structured=slow)})
+    finally:
+        grammars.compile_timeout = saved
+    [only] = outputs[702]
+    assert only.finish_reason == "abort" and only.token_ids == []
+    assert only.error == "The output constraint did not compile within 0.05 s (--grammar-compile-timeout)."
+
+
+def test_an_ambiguous_grammar_past_its_step_budget_ends_with_an_error_and_its_neighbour_runs_on(engine):
+    ambiguous = StructuredOutput("grammar", 'root ::= x\nx ::= x x | "a" | ""')
+    texts, outputs = run(engine, {
+        800: SamplingParams(max_tokens=2000, temperature=1.0, seed=1, ignore_eos=True, structured=ambiguous),
+        801: SamplingParams(max_tokens=400, temperature=1.0, seed=2, ignore_eos=True)})
+    last = outputs[800][-1]
+    assert last.finish_reason == "abort" and last.token_ids == []
+    assert last.error.startswith("The output constraint is too costly to follow"), last.error
+    assert set(texts[800]) <= {"a"} and len(outputs[800]) < 2000
+    assert outputs[801][-1].finish_reason == "length" and sum(len(o.token_ids) for o in outputs[801]) == 400
+
+
+def test_a_constraint_only_a_control_character_can_continue_ends_with_an_error_not_a_stop(engine):
+    control = StructuredOutput("json_schema", json.dumps({"type": "string", "pattern": "^\\x01$"}))
+    texts, outputs = run(engine, {900: SamplingParams(max_tokens=8, temperature=1.0, seed=1, structured=control)})
+    last = outputs[900][-1]
+    assert last.finish_reason == "abort" and last.token_ids == []
+    assert last.error == "The output constraint cannot be met: no token this model can produce continues it."
+    assert texts[900] == '"'

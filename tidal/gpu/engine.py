@@ -61,7 +61,8 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.grammars = Grammars(self.runner.model_dir, self.runner.model_config.vocab_size,
-                                 sorted(self.eos_token_ids))
+                                 sorted(self.eos_token_ids), config.grammar_compile_timeout,
+                                 config.grammar_cache_bytes)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -169,10 +170,10 @@ class Engine:
         in_flight = self._in_flight or self._launch()  # schedule -> forward
         if in_flight is None:
             return False  # nothing fits right now (waiting for blocks)
-        tokens, logprobs = in_flight.tokens.result()
+        tokens, logprobs, failures = in_flight.tokens.result()
         sampled_at = time.monotonic()  # one stamp per step: the first-token stamp of who got theirs now
         self._apply_late_aborts()  # the abort window: the pass is over, its outputs not yet booked
-        appended = self.scheduler.commit(in_flight.batch, tokens)  # commit
+        appended = self.scheduler.commit(in_flight.batch, tokens, failures)  # commit
         self._in_flight = self._launch()  # the next step's forward starts now ...
         self._emit_step(appended, logprobs, sampled_at)  # ... and runs while this one's outputs are built
         return True
@@ -210,17 +211,17 @@ class Engine:
         logits = self.runner.execute(batch.entries)
         sampling = self._sampling_batch(batch.sampling)
         captured = CapturedLogprobs.capture(logits, sampling.params)  # None when no row asks
-        self.grammars.apply_mask(logits, batch.sampling)  # constrained rows only
-        return StartedPass(batch, self.sampler.sample_tokens(logits, sampling), captured)
+        failures = self.grammars.apply_mask(logits, batch.sampling)  # constrained rows only
+        return StartedPass(batch, self.sampler.sample_tokens(logits, sampling), captured, failures)
 
-    def _finish_pass(self, started: StartedPass) -> tuple[list[int], dict[int, Logprobs]]:
-        """The tokens of a launched pass (waits for the device) and the logprobs of the rows
-        that asked (request id -> one token's)."""
+    def _finish_pass(self, started: StartedPass) -> PassResult:
+        """The tokens of a launched pass (waits for the device), the logprobs of the rows that
+        asked (request id -> one token's) and the constrained rows that cannot go on (id -> why)."""
         tokens = started.tokens.tolist()
         captured, sampling = started.captured, started.batch.sampling
         logprobs = {} if captured is None else {
             sampling[i].request_id: lp for i, lp in captured.for_tokens(tokens).items()}
-        return tokens, logprobs
+        return tokens, logprobs, started.failures
 
     def _sampling_batch(self, sampling: list[Sequence]) -> SamplingBatch:
         """The sampler's per-row inputs, rebuilt only when the sampling sequences change."""
@@ -319,6 +320,7 @@ class Engine:
 
 
 T = TypeVar("T")
+PassResult = tuple[list[int], dict[int, Logprobs], dict[int, str]]
 
 
 class PendingResult(Protocol[T]):
@@ -330,7 +332,7 @@ class InFlight:
     """A scheduled batch whose forward pass has been launched."""
 
     batch: ScheduledBatch
-    tokens: PendingResult[tuple[list[int], dict[int, Logprobs]]]  # and the logprobs of the rows that asked
+    tokens: PendingResult[PassResult]  # and the logprobs of the rows that asked, and grammar failures
 
 
 @dataclass
@@ -340,6 +342,7 @@ class StartedPass:
     batch: ScheduledBatch
     tokens: torch.Tensor  # [len(batch.sampling)] int64, on the device
     captured: CapturedLogprobs | None
+    failures: dict[int, str]  # constrained rows that cannot go on (Grammars.apply_mask)
 
 
 Start = Callable[..., StartedPass]

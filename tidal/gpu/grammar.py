@@ -1,18 +1,25 @@
 """Structured output: grammars compiled off the step loop, token masks applied batched.
 
-xgrammar does the work (chosen by measurement, docs/performance-history.md: its precomputed token
+xgrammar does the work (chosen by measurement, docs/performance.md: its precomputed token
 masks fill a row in microseconds where llguidance took ~0.1-0.2 ms at an 8k vocabulary).
 
 Life of a constrained request:
 
-1. ``Grammars.submit`` starts compiling its constraint on a worker thread (one compile per
-   distinct constraint: compiled grammars are cached by (kind, spec)); the sequence waits in
-   the scheduler's COMPILING place, so it holds no KV blocks and no batch slot meanwhile.
+1. ``Grammars.submit`` starts compiling its constraint on a thread of its own (one compile per
+   distinct constraint, compiled grammars cached by (kind, spec) up to ``cache_bytes`` of
+   xgrammar's own count); the sequence waits in the scheduler's COMPILING place, so it holds no
+   KV blocks and no batch slot meanwhile. The tokenizer info the compiler needs is built on the
+   first compile's thread, never in the step loop.
 2. At each schedule the scheduler asks ``is_compiled`` and, once it is, ``start_matcher``:
-   a fresh matcher for the request, or the compile error that refuses it.
-3. ``Grammars.apply_mask`` fills one bitmask row per constrained sampling row (one batched
-   call) and masks the logits in place; unconstrained rows are untouched and a step without
-   constrained rows costs one dict lookup per row.
+   a fresh matcher for the request, or why it is refused: the constraint did not compile, did
+   not compile within ``compile_timeout`` seconds, or ``MAX_COMPILES`` compiles are under way.
+   A compile that every requester has left is abandoned (xgrammar cannot interrupt one: its
+   thread finishes and the result is dropped; it counts against ``MAX_COMPILES`` until then).
+3. ``Grammars.apply_mask`` fills one bitmask row per constrained sampling row and masks the
+   logits in place; unconstrained rows are untouched and a step without constrained rows costs
+   one dict lookup per row. A row that allows no token at all (the constraint's only
+   continuations are tokens the model cannot produce) or whose fill took more than
+   ``STEP_BUDGET`` of CPU ends its request with an error instead of a token.
 4. ``Grammars.accept`` (the scheduler's commit) advances the matcher by the sampled token; once
    the grammar is complete only the stop tokens stay allowed, so the request ends with ``"stop"``.
 5. ``Grammars.release`` forgets a request that ended, however it ended.
@@ -30,7 +37,10 @@ from __future__ import annotations
 import json
 import logging
 import re
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,8 +53,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tidal.grammar")
 
-MAX_CACHED_GRAMMARS = 256
+DEFAULT_COMPILE_TIMEOUT = 10.0  # seconds a request waits for its grammar before a 400
+DEFAULT_CACHE_BYTES = 512 << 20  # compiled grammars kept, by xgrammar's memory_size_bytes
+MAX_COMPILES = 8  # compile threads alive at once (abandoned ones included); beyond: refused
+# CPU seconds one request's grammar may take in one step (its mask fill, or its accept): an
+# ambiguous grammar's matcher grows with the output, and its cost would stall every neighbour
+STEP_BUDGET = 0.02
 _COMPACT = (",", ":")
+_Key = tuple[str, str]
 
 
 def _without_control_bytes(decoded_vocab: list[bytes], vocab_size: int) -> torch.Tensor:
@@ -61,53 +77,106 @@ def _compile_error(exc: Exception) -> str:
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc)).strip()
 
 
+class _Compile:
+    """One distinct constraint compiling on its own thread, and the requests waiting for it."""
+
+    def __init__(self, key: _Key) -> None:
+        self.key = key
+        self.future: Future = Future()
+        self.requesters: set[int] = set()
+        self.thread: threading.Thread | None = None
+        self.started_at: float | None = None  # once the compiler is set up and this compile begins
+
+    def out_of_time(self, timeout: float) -> bool:
+        return self.started_at is not None and time.monotonic() - self.started_at >= timeout
+
+
 class Grammars:
     """The engine's structured-output state: compiles in flight, one matcher per live request."""
 
-    def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: list[int],
+                 compile_timeout: float = DEFAULT_COMPILE_TIMEOUT, cache_bytes: int = DEFAULT_CACHE_BYTES):
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
-        self._compiler: Any = None  # built on first use: plain requests never import xgrammar
-        self._batch: Any = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._compiled: dict[tuple[str, str], Future] = {}  # insertion order = age (small LRU)
-        self._waiting: dict[int, tuple[tuple[str, str], Future]] = {}  # request id -> (key, its compile)
+        self.compile_timeout = compile_timeout
+        self.cache_bytes = cache_bytes
+        # the compiler and the JSON token row, built on the first compile's thread: plain requests
+        # never import xgrammar, and its tokenizer info (~1 s) is never built in the step loop
+        self._setup: Future | None = None
+        self._setup_lock = threading.Lock()
+        self._json_tokens: torch.Tensor | None = None
+        self._cache: OrderedDict[_Key, Any] = OrderedDict()  # key -> CompiledGrammar, LRU first
+        self._cache_sizes: dict[_Key, int] = {}
+        self.num_cached_bytes = 0
+        self.num_compiles = 0  # compiles started (a cache hit starts none)
+        self._compiles: dict[_Key, _Compile] = {}  # in flight, with someone waiting
+        self._threads: list[threading.Thread] = []  # compile threads, abandoned ones included
+        # request id -> what it waits for: its compile, a compiled grammar (a cache hit) or a refusal
+        self._waiting: dict[int, _Compile | Any | str] = {}
         self._matchers: dict[int, Any] = {}  # request id -> xgrammar.GrammarMatcher
         self._gates: dict[int, tuple[int, ...]] = {}  # request id -> the ids that open its grammar
         self._bitmask: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ compiling
 
-    def _start(self) -> None:
+    def _set_up(self) -> Any:
+        """The compiler (on a compile thread; the first one builds it, the others wait for it)."""
+        with self._setup_lock:
+            if self._setup is None:
+                self._setup = Future()
+                try:
+                    self._setup.set_result(self._build_compiler())
+                except Exception as exc:  # noqa: BLE001 - every compile then reports it
+                    self._setup.set_exception(exc)
+        return self._setup.result()
+
+    def _build_compiler(self) -> Any:
         import xgrammar as xgr
         from transformers import PreTrainedTokenizerFast
 
         tokenizer = PreTrainedTokenizerFast.from_pretrained(self.model_dir)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                   stop_token_ids=self.stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._json_tokens = _without_control_bytes(info.decoded_vocab, self.vocab_size)
-        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tidal-grammar")
+        # xgrammar's own cache off: ours (bounded in bytes) is the only one
+        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def submit(self, request_id: int, spec: StructuredOutput) -> None:
-        """Start compiling a request's constraint (or reuse a compiled one)."""
-        if self._compiler is None:
-            self._start()
+        """Start compiling a request's constraint, or join its compile, or take it from the cache."""
         key = (spec.kind, spec.spec)
-        future = self._compiled.pop(key, None)
-        if future is None:
-            future = self._pool.submit(self._compile, spec)  # type: ignore[union-attr]
-            if len(self._compiled) >= MAX_CACHED_GRAMMARS:
-                self._compiled.pop(next(iter(self._compiled)))
-        self._compiled[key] = future  # most recently used last
-        self._waiting[request_id] = (key, future)
         if spec.after:
             self._gates[request_id] = spec.after
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._cache.move_to_end(key)  # most recently used last
+            self._waiting[request_id] = compiled
+            return
+        job = self._compiles.get(key)
+        if job is None:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            if len(self._threads) >= MAX_COMPILES:
+                self._waiting[request_id] = (
+                    f"Too many output constraints are compiling at once ({MAX_COMPILES}); try again later.")
+                return
+            job = self._compiles[key] = _Compile(key)
+            job.thread = threading.Thread(target=self._run, args=(job, spec), name="tidal-grammar", daemon=True)
+            self._threads.append(job.thread)
+            self.num_compiles += 1
+            job.thread.start()
+        job.requesters.add(request_id)
+        self._waiting[request_id] = job
 
-    def _compile(self, spec: StructuredOutput) -> Any:
-        c = self._compiler
+    def _run(self, job: _Compile, spec: StructuredOutput) -> None:
+        try:
+            compiler = self._set_up()
+            job.started_at = time.monotonic()  # the bound is on the compile, not on the one-time set-up
+            job.future.set_result(self._compile(compiler, spec))
+        except BaseException as exc:  # noqa: BLE001 - handed to the requesters
+            job.future.set_exception(exc)
+
+    @staticmethod
+    def _compile(c: Any, spec: StructuredOutput) -> Any:
         if spec.kind == "json_schema":
             return c.compile_json_schema(spec.spec, any_whitespace=False, separators=_COMPACT)
         if spec.kind == "json_object":
@@ -115,8 +184,11 @@ class Grammars:
         if spec.kind == "regex":
             return c.compile_regex(spec.spec)
         if spec.kind == "choice":
+            # each choice as an EBNF string literal; ensure_ascii=False: an escaped character outside
+            # the BMP would be a surrogate pair, which the grammar reads as two code points
             choices = json.loads(spec.spec)
-            return c.compile_grammar("root ::= " + " | ".join(json.dumps(choice) for choice in choices))
+            return c.compile_grammar("root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False)
+                                                              for choice in choices))
         return c.compile_grammar(spec.spec)
 
     @property
@@ -124,45 +196,90 @@ class Grammars:
         """Requests whose compile has not been taken yet."""
         return len(self._waiting)
 
+    @property
+    def num_compiling(self) -> int:
+        """Compile threads still running, abandoned ones included."""
+        return sum(t.is_alive() for t in self._threads)
+
     def is_compiled(self, request_id: int) -> bool:
-        """The request's compile has finished, or failed."""
-        return self._waiting[request_id][1].done()
+        """The request's grammar is ready, or refused, or out of time."""
+        waits_for = self._waiting[request_id]
+        return (not isinstance(waits_for, _Compile) or waits_for.future.done()
+                or waits_for.out_of_time(self.compile_timeout))
 
     def start_matcher(self, request_id: int) -> str | None:
         """Take a finished compile: None once the request has its matcher, else why it is refused
         (the caller then ends it; ``release`` forgets it)."""
         import xgrammar as xgr
 
-        key, future = self._waiting[request_id]
-        try:
-            compiled = future.result()
-        except Exception as exc:  # noqa: BLE001 - any compile failure refuses the request
-            self._compiled.pop(key, None)
-            return f"The output constraint could not be compiled: {_compile_error(exc)}"
+        waits_for = self._waiting[request_id]
+        if isinstance(waits_for, str):
+            return waits_for
+        if isinstance(waits_for, _Compile):
+            if not waits_for.future.done():
+                return (f"The output constraint did not compile within {self.compile_timeout:g} s "
+                        "(--grammar-compile-timeout).")
+            try:
+                compiled = waits_for.future.result()
+            except Exception as exc:  # noqa: BLE001 - any compile failure refuses the request
+                return f"The output constraint could not be compiled: {_compile_error(exc)}"
+            self._compiles.pop(waits_for.key, None)
+            self._remember(waits_for.key, compiled)
+        else:
+            compiled = waits_for
         del self._waiting[request_id]
         self._matchers[request_id] = xgr.GrammarMatcher(compiled)
         return None
 
+    def _remember(self, key: _Key, compiled: Any) -> None:
+        """Cache a compiled grammar, least recently used out first, within ``cache_bytes``."""
+        if key in self._cache:
+            return
+        size = compiled.memory_size_bytes
+        if size > self.cache_bytes:
+            return  # its requesters use it; the next one compiles it again
+        while self.num_cached_bytes + size > self.cache_bytes:
+            old, _ = self._cache.popitem(last=False)
+            self.num_cached_bytes -= self._cache_sizes.pop(old)
+        self._cache[key] = compiled
+        self._cache_sizes[key] = size
+        self.num_cached_bytes += size
+
     def release(self, request_id: int) -> None:
-        """Forget a request (finished or aborted), whether it was compiling or matching."""
+        """Forget a request (finished or aborted), whether it was compiling or matching. A compile
+        with no requester left is abandoned."""
         self._matchers.pop(request_id, None)
         self._gates.pop(request_id, None)
-        self._waiting.pop(request_id, None)
+        waits_for = self._waiting.pop(request_id, None)
+        if isinstance(waits_for, _Compile):
+            waits_for.requesters.discard(request_id)
+            if not waits_for.requesters and self._compiles.get(waits_for.key) is waits_for:
+                del self._compiles[waits_for.key]  # its thread finishes on its own; the result is dropped
 
     # ------------------------------------------------------------------ the step
 
-    def apply_mask(self, logits: torch.Tensor, sampling: list["Sequence"]) -> None:
-        """Mask each constrained row of ``logits`` ([N, V] float32) to its grammar's next tokens."""
+    def apply_mask(self, logits: torch.Tensor, sampling: list["Sequence"]) -> dict[int, str]:
+        """Mask each constrained row of ``logits`` ([N, V] float32) to its grammar's next tokens.
+
+        Returns the requests that cannot go on (request id -> why): their row allows no token, or
+        its fill took more than ``STEP_BUDGET`` of CPU. Runs where the forward pass runs; changes
+        nothing the step loop reads.
+        """
         if not self._matchers:
-            return
+            return {}
         rows = [(i, self._matchers[seq.request_id]) for i, seq in enumerate(sampling)
                 if seq.request_id in self._matchers and seq.request_id not in self._gates]
         if not rows:
-            return
+            return {}
         import xgrammar as xgr
 
         bitmask = self._bitmask_rows(len(rows))
-        self._batch.batch_fill_next_token_bitmask([m for _, m in rows], bitmask)
+        failures: dict[int, str] = {}
+        for j, (i, matcher) in enumerate(rows):
+            started = time.thread_time()  # CPU, not wall: a busy host must not fail a request
+            matcher.fill_next_token_bitmask(bitmask, j)
+            if time.thread_time() - started > STEP_BUDGET:
+                failures[sampling[i].request_id] = _too_costly()
         json_rows = [j for j, (i, _) in enumerate(rows) if sampling[i].params.structured.kind.startswith("json")]
         if json_rows:
             # compact JSON never holds a raw control character (JSON forbids them inside strings,
@@ -171,6 +288,9 @@ class Grammars:
                 bitmask &= self._json_tokens
             else:
                 bitmask[json_rows] &= self._json_tokens
+        for j in (~bitmask.any(dim=1)).nonzero().flatten().tolist():  # rows that allow nothing
+            failures[sampling[rows[j][0]].request_id] = (
+                "The output constraint cannot be met: no token this model can produce continues it.")
         if len(rows) == logits.shape[0]:
             xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
         else:
@@ -178,6 +298,7 @@ class Grammars:
             picked = logits[index]
             xgr.apply_token_bitmask_inplace(picked, bitmask.to(logits.device, non_blocking=True))
             logits[index] = picked
+        return failures
 
     def _bitmask_rows(self, num_rows: int) -> torch.Tensor:
         import xgrammar as xgr
@@ -186,18 +307,29 @@ class Grammars:
             self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 16), self.vocab_size)
         return self._bitmask[:num_rows]
 
-    def accept(self, seq: "Sequence", token_id: int) -> bool:
-        """Advance the request's matcher by its sampled token. True once the grammar is complete."""
+    def accept(self, seq: "Sequence", token_id: int) -> str | None:
+        """Advance the request's matcher by its sampled token: None to go on, ``COMPLETE`` once the
+        grammar is complete, else why the request cannot go on."""
         request_id = seq.request_id
         matcher = self._matchers.get(request_id)
         if matcher is None:
-            return False
+            return None
         gate = self._gates.get(request_id)
         if gate is not None:  # still free (thinking): the grammar starts after the gate's last id
             if tuple(seq.output_token_ids[-len(gate):]) == gate:
                 del self._gates[request_id]
-            return False
+            return None
+        started = time.thread_time()
         if not matcher.accept_token(token_id):
-            log.error("request %d: sampled token %d is outside its grammar", request_id, token_id)
-            return True
-        return matcher.is_terminated()
+            return "The output constraint cannot be met: the sampled token does not continue it."
+        if time.thread_time() - started > STEP_BUDGET:
+            return _too_costly()
+        return COMPLETE if matcher.is_terminated() else None
+
+
+COMPLETE = "complete"
+
+
+def _too_costly() -> str:
+    return (f"The output constraint is too costly to follow: its grammar took more than "
+            f"{STEP_BUDGET * 1e3:g} ms of CPU in one step (an ambiguous grammar grows with the output).")

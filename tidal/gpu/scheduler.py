@@ -39,6 +39,8 @@ from tidal.wire import FinishReason
 if TYPE_CHECKING:
     from tidal.gpu.grammar import Grammars
 
+COMPLETE = "complete"  # Grammars.accept's word for a finished grammar (tidal.gpu.grammar.COMPLETE)
+
 
 @dataclass
 class ScheduledBatch:
@@ -223,13 +225,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the forward pass
 
-    def commit(self, batch: ScheduledBatch, tokens: list[int]) -> list[Sequence]:
+    def commit(self, batch: ScheduledBatch, tokens: list[int],
+               failures: dict[int, str] | None = None) -> list[Sequence]:
         """Book a finished forward pass; ``tokens`` holds one sampled id per ``batch.sampling``.
 
         Sequences that finished since the batch was scheduled (aborted while the pass ran)
         are skipped: their work and token are dropped. Returns the sequences that got a
         token, in order; those that finished with it have ``finish_reason`` set and are out.
-        A constrained sequence's token advances its grammar (before the next schedule, whose
+        ``failures`` (request id -> why, from the grammar masks) end their sequences with that
+        ``error`` instead of a token; they are returned too. A constrained sequence's token advances its grammar (before the next schedule, whose
         masks need it); a choice's first token releases the choices waiting for its prefill
         (its prompt blocks are in the prefix cache now).
         """
@@ -245,15 +249,22 @@ class Scheduler:
         for seq, token_id in zip(batch.sampling, tokens, strict=True):
             if seq.status is finished:
                 continue
+            appended.append(seq)
+            if failures and seq.request_id in failures:
+                self.finish(seq, "abort", failures[seq.request_id])  # its token is not the constraint's
+                continue
             reason = seq.append_token(token_id)
             if len(seq.output_token_ids) == 1 and seq.request_id in self.forks:
                 self._release_forks(seq.request_id)
-            if seq.params.structured is not None and self.grammars is not None \
-                    and self.grammars.accept(seq, token_id) and reason is None:
-                reason = "stop"  # the grammar is complete: it took a stop token under ignore_eos
+            if seq.params.structured is not None and self.grammars is not None:
+                verdict = self.grammars.accept(seq, token_id)
+                if verdict == COMPLETE:
+                    reason = reason or "stop"  # complete: it took a stop token under ignore_eos
+                elif verdict is not None and reason is None:
+                    self.finish(seq, "abort", verdict)
+                    continue
             if reason is not None:
                 self.finish(seq, reason)
-            appended.append(seq)
         return appended
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:

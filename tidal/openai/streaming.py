@@ -89,6 +89,8 @@ class OutputReader:
             else:
                 output = await mailbox.take()
                 self.frontend.note_backlog(self.request)
+            if output.error is not None:  # the engine ended it mid-stream for what it asked (a constraint)
+                raise bad_request(output.error)
             text_parts.append(output.text)
             if self.logprobs is not None and output.logprobs is not None:
                 self._logprob_ids.extend(output.token_ids)
