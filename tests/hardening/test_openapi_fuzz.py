@@ -5,7 +5,8 @@ so a new route or field is fuzzed as soon as it exists; ``test_the_document_cove
 and_field`` fails for one that the document (and so the fuzzer) would miss. The property, for
 every generated request (valid and invalid bodies, path parameters): never a 5xx, an error is
 OpenAI's shape (Anthropic's on /v1/messages), and afterwards the server is alive and idle (every KV block free). The
-WebSocket's messages are fuzzed by test_fuzz.py. Bounded time: a few dozen examples per route.
+WebSocket's messages are fuzzed by test_fuzz.py. Bounded time: 12 examples per route (15 routes:
+253 s with 20 on a 2-core host at load 15, hence 12).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def test_the_document_covers_every_route_and_field(server):
 
 
 @schema.parametrize()
-@settings(max_examples=20, deadline=None, phases=[Phase.explicit, Phase.generate],
+@settings(max_examples=12, deadline=None, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=list(HealthCheck))
 def test_every_route_and_field_never_answers_5xx(case, server):
     response = case.call(base_url=server.url, timeout=60)
