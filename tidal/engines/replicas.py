@@ -21,16 +21,15 @@ When no replica is serving or about to restart, ``run`` raises ``EngineDead``: e
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgspec
 import trio
 
 from tidal.engines.client import EngineClient, EngineDead, EngineStartError
+from tidal.engines.replica_state import Replica, ReplicaState
 from tidal.engines.router import Decision, NoReplica, Router
 from tidal.wire import EngineConfig, EngineStats, Ready, StepReport
 
@@ -49,24 +48,6 @@ def replica_config(config: EngineConfig, index: int, num_replicas: int) -> Engin
     if threads is None and num_replicas > 1:
         threads = max(1, (os.cpu_count() or 1) // num_replicas)
     return msgspec.structs.replace(config, data_parallel_rank=index, num_threads=threads)
-
-
-class ReplicaState(enum.Enum):
-    STARTING = "starting"
-    SERVING = "serving"
-    RESTARTING = "restarting"  # dead, waiting out its backoff
-    DOWN = "down"  # dead for good
-
-
-@dataclass(eq=False)
-class Replica:
-    index: int
-    state: ReplicaState = ReplicaState.STARTING
-    client: EngineClient | None = None
-    ready: Ready | None = None
-    generation: int = 0  # the router's count of this replica's lives
-    num_restarts: int = 0
-    last_error: str | None = None
 
 
 class _Started:
@@ -184,74 +165,83 @@ class ReplicaSet:
 
     async def _supervise(self, replica: Replica) -> None:
         failures = 0  # deaths in a row, each after a life shorter than stable_after
+        listener = _ReplicaListener(self, replica)
         while True:
-            client = self.make_client(replica.index)
-            listener = _ReplicaListener(self, replica)
+            client = replica.client = self.make_client(replica.index)
             client.attach(listener)
-            replica.client, replica.state = client, ReplicaState.STARTING
             born_at: float | None = None
 
             def up(ready: Ready) -> None:
                 nonlocal born_at
-                self._up(replica, client, ready)
-                listener.generation = replica.generation
+                self._up(replica, ready)
                 born_at = trio.current_time()
 
             try:
                 await client.run(task_status=_Started(up))
             except EngineDead as exc:
                 replica.last_error = str(exc)
-            self._down(replica)
+            self._died(replica)
             if born_at is None and not self.ever_served:
                 raise EngineStartError(replica.last_error or "engine replica failed to start")
             lived = 0.0 if born_at is None else trio.current_time() - born_at
             failures = 1 if lived >= self.stable_after else failures + 1
             if failures > self.max_restarts:
-                replica.state = ReplicaState.DOWN
+                self._move(replica, ReplicaState.DOWN)
                 if not any(r.state is not ReplicaState.DOWN for r in self.replicas):
                     raise EngineDead(self.why_down())
                 log.error("replica %d: not restarted after %d failures in a row; %d replica(s) serving",
                           replica.index, failures, len(self.serving))
                 return
-            replica.state = ReplicaState.RESTARTING
             delay = min(self.max_restart_backoff, self.restart_backoff * 2 ** (failures - 1))
             log.warning("replica %d died (%s); restarting it in %g s", replica.index, replica.last_error, delay)
             await trio.sleep(delay)
             replica.num_restarts += 1
+            self._move(replica, ReplicaState.STARTING)
 
-    def _up(self, replica: Replica, client: EngineClient, ready: Ready) -> None:
-        self.router.replica_up(replica.index, ready.max_num_seqs, ready.num_total_blocks, lambda: client.stats)
-        replica.generation = self.router.replicas[replica.index].generation
-        replica.ready, replica.state = ready, ReplicaState.SERVING
+    def _move(self, replica: Replica, new: ReplicaState) -> None:
+        """The one writer of a replica's state; the router learns here whether it may route there."""
+        old = replica.move_to(new)
+        if new is ReplicaState.SERVING:
+            ready, client = replica.ready, replica.client
+            self.router.replica_up(replica.index, ready.max_num_seqs, ready.num_total_blocks,  # type: ignore[union-attr]
+                                   lambda: client.stats)
+        elif old is ReplicaState.SERVING:
+            self.router.replica_down(replica.index)  # no new request goes there from now on
+
+    def _up(self, replica: Replica, ready: Ready) -> None:
+        replica.ready = ready
+        self._move(replica, ReplicaState.SERVING)
         if replica.num_restarts:
             log.info("replica %d is serving again (engine pid %d)", replica.index, ready.pid)
         if all(r.ready is not None for r in self.replicas):
             self.ever_served = True
             self._all_started.set()
 
-    def _down(self, replica: Replica) -> None:
-        self.router.replica_down(replica.index)
-        replica.state = ReplicaState.RESTARTING  # until the policy below says DOWN
+    def _died(self, replica: Replica, why: str | None = None) -> None:
+        """The replica's engine is gone (told by its client, or its ``run`` returned): RESTARTING,
+        until the restart policy in ``_supervise`` says DOWN."""
+        if why is not None:
+            replica.last_error = why
+        if replica.state is not ReplicaState.RESTARTING:  # the client told us first, or it is told now
+            self._move(replica, ReplicaState.RESTARTING)
 
 
 class _ReplicaListener:
-    """Between one replica's client and the frontend: counts finished requests for the router."""
+    """Between one replica's clients and the frontend: counts finished requests for the router."""
 
     def __init__(self, replicas: ReplicaSet, replica: Replica):
         self.replicas = replicas
         self.replica = replica
-        self.generation = 0  # set when the replica is up
 
     def on_report(self, report: StepReport, engine: EngineClient) -> None:
-        if report.finished:
-            self.replicas.router.release(self.replica.index, self.generation, len(report.finished))
+        replica = self.replica
+        if report.finished and engine is replica.client and replica.state is ReplicaState.SERVING:
+            router = self.replicas.router
+            router.release(replica.index, router.replicas[replica.index].generation, len(report.finished))
         if self.replicas.listener is not None:  # None until the frontend exists (start-up)
             self.replicas.listener.on_report(report, engine)
 
     def on_engine_dead(self, engine: EngineClient, why: str) -> None:
-        self.replicas.router.replica_down(self.replica.index)  # no new request goes there from now on
-        if self.replica.state is ReplicaState.SERVING:
-            self.replica.state = ReplicaState.RESTARTING
-        self.replica.last_error = why
+        self.replicas._died(self.replica, why)
         if self.replicas.listener is not None:
             self.replicas.listener.on_engine_dead(engine, why)
