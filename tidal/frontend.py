@@ -1,34 +1,40 @@
 """The request registry: admission, the per-request lifecycle, and where aborts start.
 
 Hops owned here: ``open_request`` admits a request (or refuses it with a 503 before any
-byte is sent) and hands it to the engine client; ``on_report`` routes what the engine
+byte is sent) and hands it to the engine client the router picks (``ReplicaSet.pick``); ``on_report`` routes what the engine
 reports to each request's lifecycle and mailbox; ``first_output`` waits for the engine to
-schedule it and produce something, under ``--max-queue-wait``; ``close`` ends it.
+schedule it and produce something, under ``--max-queue-wait``.
 
-Every ending goes through ``_end``: it moves the request to its final state and leaves the
-reader its last word in the mailbox: a final output with finish_reason "abort", or an
-``ApiError``. Readers never see engine or shutdown exceptions.
+Every ending goes through ``_end``, the only code that moves a request to a final state
+(``tidal/lifecycle.py`` holds the table): FINISHED when the engine's final output arrives,
+ABORTED or REJECTED when the frontend ends it (then it tells the engine to forget it). It
+leaves the reader its last word in the mailbox: the final output, one with finish_reason
+"abort", or an ``ApiError``. Readers never see engine or shutdown exceptions.
 
-``close`` is the one place a handler starts an abort. It is synchronous (``abort_nowait``), so it
-works from a cancelled scope, and it is idempotent. Every HTTP request and WebSocket
-connection runs inside a ``RequestScope`` (see ``request_scope_middleware``) whose exit
-closes every request opened in it, so no request outlives the task that opened it, even
-if the handler is cancelled before its response body ever starts.
+A handler never ends a request itself. Every HTTP request and WebSocket connection (and each
+request multiplexed on one) runs inside a ``RequestScope`` (``open_request_scope``; the ASGI
+wrapper ``request_scope_middleware``) whose exit is the one place ``close`` is called: it
+aborts every request opened in the scope that is not over yet, so no request outlives the task
+that opened it, even if the handler is cancelled before its response body ever starts.
+``close`` is synchronous (``abort_nowait``), so it works from a cancelled scope, and idempotent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import itertools
 import logging
 import math
 import time
+from collections.abc import Callable, Iterator
 
 import trio
 
 from tidal.config import ServerConfig
 from tidal.engines.client import EngineClient
 from tidal.http import fast_send
+from tidal.engines.replicas import ReplicaSet
 from tidal.lifecycle import ActiveRequest, RequestState, RequestTable
 from tidal.mailbox import Mailbox
 from tidal.metrics import Metrics
@@ -62,10 +68,34 @@ def engine_unavailable(why: str) -> ApiError:
 
 # ------------------------------------------------------------------ request scopes
 
-_scope: contextvars.ContextVar[list[ActiveRequest] | None] = contextvars.ContextVar("tidal_scope", default=None)
+class RequestScope:
+    """The requests one handler opened, and why those still live at its exit end."""
+
+    __slots__ = ("opened", "close_reason")
+
+    def __init__(self) -> None:
+        self.opened: list[ActiveRequest] = []
+        self.close_reason = "client_disconnect"  # a WebSocket "cancel" makes it "client_cancel"
 
 
-def request_scope_middleware(app, frontend_getter):
+_scope: contextvars.ContextVar[RequestScope | None] = contextvars.ContextVar("tidal_scope", default=None)
+
+
+@contextlib.contextmanager
+def open_request_scope(frontend: Frontend) -> Iterator[RequestScope]:
+    """Every request ``open_request`` admits inside the block is closed when it exits (the one
+    caller of ``Frontend.close``). Scopes nest: a request belongs to the innermost."""
+    requests = RequestScope()
+    token = _scope.set(requests)
+    try:
+        yield requests
+    finally:
+        _scope.reset(token)
+        for request in requests.opened:
+            frontend.close(request, requests.close_reason)
+
+
+def request_scope_middleware(app, frontend_getter: Callable[[], Frontend]):
     """ASGI wrapper: every HTTP request / WebSocket connection is one scope of requests."""
 
     async def asgi(scope, receive, send):
@@ -73,17 +103,10 @@ def request_scope_middleware(app, frontend_getter):
             return await app(scope, receive, send)
         # the request's clock starts at its first byte (hypercorn's read of it), else now
         scope["tidal.received"] = fast_send.first_byte_time(scope) or time.monotonic()
-        opened: list[ActiveRequest] = []
-        token = _scope.set(opened)
         if scope["type"] == "http":
             send = _shield_final_send(send)
-        try:
+        with open_request_scope(frontend_getter()):
             await app(scope, receive, send)
-        finally:
-            _scope.reset(token)
-            frontend = frontend_getter()
-            for request in opened:
-                frontend.close(request, "client_disconnect")
 
     return asgi
 
@@ -111,7 +134,7 @@ def _shield_final_send(send):
 
 
 class Frontend:
-    def __init__(self, config: ServerConfig, engine: EngineClient, metrics: Metrics, max_num_seqs: int,
+    def __init__(self, config: ServerConfig, engine: ReplicaSet, metrics: Metrics, max_num_seqs: int,
                  recorder: TraceRecorder | None = None):
         self.config = config
         self.engine = engine
@@ -157,7 +180,7 @@ class Frontend:
         ``timeline``: the request's clock since its first byte (a new one starts now if None).
 
         Synchronous: nothing can be cancelled half-way. The request is closed when the
-        enclosing RequestScope ends, if nobody closed it before.
+        enclosing RequestScope ends, if it is not over before.
         """
         if self.draining:
             self.metrics.rejected.labels(self.metrics.model_name, "shutdown").inc()
@@ -188,9 +211,9 @@ class Frontend:
         timeline.queued = time.monotonic()
         self.requests.add(request)
         self.metrics.prompt_tokens_m.inc(len(prompt_token_ids))
-        opened = _scope.get()
-        if opened is not None:
-            opened.append(request)
+        requests = _scope.get()
+        if requests is not None:
+            requests.opened.append(request)
         if victim is not None:
             self.reject(victim, "preempted_by_priority", service_unavailable(EVICTED))
         return request
@@ -268,13 +291,11 @@ class Frontend:
         request.num_output_tokens += len(output.token_ids)
         if output.finish_reason is not None:
             request.finish_reason = output.finish_reason
-            m = self.metrics
             if request.state is RequestState.QUEUED:
                 self._start(request)
-            request.move_to(RequestState.FINISHED)
-            m.e2e_m.observe(now - request.arrival_time)
-            m.finished.labels(m.model_name, output.finish_reason).inc()
-        if not request.mailbox.put_nowait(output):
+            self._end(request, RequestState.FINISHED, output.finish_reason, self.metrics.finished, output,
+                      discard=False)
+        elif not request.mailbox.put_nowait(output):
             self.abort(request, "slow_client", SlowClient("more than --max-stream-buffer-bytes undelivered"))
 
     # ------------------------------------------------------------------ endings
@@ -289,20 +310,26 @@ class Frontend:
         self._end(request, RequestState.REJECTED, reason, self.metrics.rejected, error)
 
     def _end(self, request: ActiveRequest, state: RequestState, reason: str, counter,
-             error: ApiError | None, discard: bool = True) -> None:
+             ending: RequestOutput | ApiError | None, discard: bool = True) -> None:
+        """Every ending, once: the final state, its count (by ``reason``), the engine told to forget
+        the request unless it finished there, and the reader's last word: ``ending`` (the engine's
+        final output, or an error), else a final output with finish_reason "abort"."""
         if request.is_final:
             return
         request.move_to(state)
-        request.abort_reason = reason
-        request.engine.abort_nowait(request.request_id)
+        if state is RequestState.FINISHED:
+            self.metrics.e2e_m.observe(trio.current_time() - request.arrival_time)
+        else:
+            request.abort_reason = reason
+            request.engine.abort_nowait(request.request_id)
         counter.labels(self.metrics.model_name, reason).inc()
-        ending = error if error is not None else RequestOutput(request.request_id, [], "", "abort")
+        if ending is None:
+            ending = RequestOutput(request.request_id, [], "", "abort")
         request.mailbox.close(ending, discard)
 
     def close(self, request: ActiveRequest, reason: str = "client_disconnect") -> None:
-        """The handler is done with the request. Aborts it if the engine is still working on it."""
-        if not request.is_final:
-            self.abort(request, reason)
+        """The handler's scope is over (``open_request_scope``): abort the request unless it is over."""
+        self._end(request, RequestState.ABORTED, reason, self.metrics.aborted, None)
         self.recorder.finish(request)
 
     def note_backlog(self, request: ActiveRequest) -> None:

@@ -101,10 +101,7 @@ async def _send_answer(send, answer: Answer) -> None:
         await send({"type": "http.response.start", "status": status, "headers": raw_headers})
         await send({"type": "http.response.body", "body": content, "more_body": False})
         return
-    try:
-        await send({"type": "http.response.start", "status": status, "headers": raw_headers})
-        async for frame in content:
-            await send({"type": "http.response.body", "body": frame, "more_body": True})
-    finally:
-        await content.aclose()
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    async for frame in content:
+        await send({"type": "http.response.body", "body": frame, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})

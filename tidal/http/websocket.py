@@ -2,10 +2,10 @@
 
 One connection is one nursery (quart-trio cancels it when the socket closes); each request
 on it is a task with its own cancel scope, so a ``cancel`` message or a closed socket ends
-exactly the requests it should, and the connection's RequestScope aborts them in the
-engine. Requests run through the same ``Api.admit`` -> ``Api.first_output`` -> ``OutputReader``
-path as SSE (tidal/openai/service.py), so admission, queue timeouts and the slow-client bounds apply
-unchanged. Protocol: docs/websocket.md. Registered by ``routes.create_app``.
+exactly the requests it should, and each request's own RequestScope (tidal/frontend.py) aborts
+it in the engine. Requests run through the same ``Api.admit`` -> ``Api.first_output`` ->
+``OutputReader`` path as SSE (tidal/openai/service.py), so admission, queue timeouts and the
+slow-client bounds apply unchanged. Protocol: docs/websocket.md. Registered by ``routes.create_app``.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from msgspec import Meta
 from quart import websocket
 
 from tidal.errors import NESTED_TOO_DEEPLY, ApiError, bad_request, internal_error
+from tidal.frontend import open_request_scope
 from tidal.http import auth
 from tidal.http.websocket_gate import WS_PATH
-from tidal.lifecycle import ActiveRequest
 from tidal.openai.encoding import ChunkEncoder
 from tidal.openai.service import Api
 from tidal.timeline import Timeline
@@ -148,30 +148,31 @@ class Connection:
                      timeline: Timeline) -> None:
         api = self.api
         id_json = _encode(rid)
-        active: ActiveRequest | None = None  # once admitted, even if "cancel" comes while it is queued
         try:
-            with scope:
-                try:
-                    active, checked = await api.admit(kind, {**body, "stream": True}, timeline)
-                    reader = await api.first_output(active, checked)
-                except ApiError as error:
-                    await self.send(_error_message(rid, error))
-                    return
-                encoder = ChunkEncoder(kind, api.model_name)  # type: ignore[arg-type]
-                prefix = b'{"type":"chunk","id":' + id_json + b',"data":'
-                while not reader.done:
-                    text = await reader.next_delta()
-                    finish = reader.finish_reason
-                    reasoning = reader.take_reasoning()
-                    if finish is None and not text and not reasoning:
-                        continue
-                    chunk = encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls, reasoning)
-                    await self.send((prefix + chunk + b"}").decode())
-                    timeline.wrote(time.monotonic())
-                await self.send(_encode({"type": "done", "id": rid, "usage": reader.usage()}).decode())
-            if scope.cancelled_caught:  # the client sent "cancel"
-                if active is not None:
-                    api.frontend.close(active, "client_cancel")
+            # each request on the connection is its own RequestScope: a "cancel" ends just this one
+            with open_request_scope(api.frontend) as requests:
+                with scope:
+                    try:
+                        active, checked = await api.admit(kind, {**body, "stream": True}, timeline)
+                        reader = await api.first_output(active, checked)
+                    except ApiError as error:
+                        await self.send(_error_message(rid, error))
+                        return
+                    encoder = ChunkEncoder(kind, api.model_name)  # type: ignore[arg-type]
+                    prefix = b'{"type":"chunk","id":' + id_json + b',"data":'
+                    while not reader.done:
+                        text = await reader.next_delta()
+                        finish = reader.finish_reason
+                        reasoning = reader.take_reasoning()
+                        if finish is None and not text and not reasoning:
+                            continue
+                        chunk = encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls, reasoning)
+                        await self.send((prefix + chunk + b"}").decode())
+                        timeline.wrote(time.monotonic())
+                    await self.send(_encode({"type": "done", "id": rid, "usage": reader.usage()}).decode())
+                if scope.cancelled_caught:  # the client sent "cancel"
+                    requests.close_reason = "client_cancel"
+            if scope.cancelled_caught:
                 await self.send(_encode({"type": "done", "id": rid, "usage": None, "cancelled": True}).decode())
         except ApiError as error:  # the request ended early (slow client, engine failure)
             await self.send(_error_message(rid, error))
@@ -180,5 +181,3 @@ class Connection:
             await self.send(_error_message(rid, internal_error(exc)))
         finally:
             self.streams.pop(rid, None)
-            if active is not None:
-                api.frontend.close(active, "client_disconnect")

@@ -119,7 +119,3 @@ class ChoicesSseBody:
                     frame += sse(self.encoders[0].usage_json(_usage(self.readers)))
                 frame += SSE_DONE
         return frame
-
-    async def aclose(self) -> None:
-        for body in self.bodies:
-            await body.aclose()

@@ -81,7 +81,8 @@ class Api:
                     timeline: Timeline | None = None) -> tuple[ActiveRequest, Validated]:
         """Parse, validate, tokenise and admit. Raises ApiError.
 
-        Once this returns, the caller holds an open request (its RequestScope closes it too).
+        Once this returns, the caller holds an open request; its RequestScope (tidal/frontend.py)
+        ends it if it is not over when the handler is done.
         ``timeline``: the request's clock, started at its first byte (now if None).
         """
         actives, checked = await self.admit_choices(kind, body, max_n=1, timeline=timeline)
@@ -194,7 +195,7 @@ class Api:
         readers += [self.later_choice(active, checked) for active in actives[1:]]
         if len(readers) > 1:
             return await self._respond_choices(kind, readers, checked, scope)
-        active, reader = actives[0], readers[0]
+        reader = readers[0]
         encoder = ChunkEncoder(kind, self.model_name)  # type: ignore[arg-type]
         if checked.stream:
             return 200, _SSE_HEADERS, SseBody(reader, encoder, checked.include_usage, fast_send.body_writer(scope))
@@ -202,8 +203,6 @@ class Api:
             return json_answer(await collect(reader, encoder))
         except ApiError as error:
             return error_answer(error)
-        finally:
-            self.frontend.close(active)
 
     async def _respond_choices(self, kind: str, readers: list[OutputReader], checked: Validated,
                                scope: dict) -> Answer:
@@ -215,11 +214,8 @@ class Api:
                                                      fast_send.body_writer(scope))
         try:
             return json_answer(await collect_choices(readers, encoders))
-        except ApiError as error:
+        except ApiError as error:  # the choices still running end with the handler's RequestScope
             return error_answer(error)
-        finally:
-            for reader in readers:
-                self.frontend.close(reader.request)
 
 
 def _offset_seed(seed: int, i: int) -> int:

@@ -1,11 +1,13 @@
 """From a request's mailbox to the bytes of its response: SSE frames, or the final JSON.
 
-The body is a small async-iterator class rather than a generator so that ``aclose`` always
-runs our cleanup, and every frame its task sends is a real checkpoint (a mailbox ``take`` or
+The body is a small async-iterator class rather than a generator so that every frame its task
+sends is a real checkpoint (a mailbox ``take`` or
 ``wait``), which keeps a handler whose client vanished from spinning (hypercorn's send becomes
 a no-op then). Whatever the engine produced while the client was still writing the previous
 frame is sent as one frame: one socket send for many tokens. A stream that has caught up has
 its frames sent by the engine reader task instead (``SseBody._offer``): no wake-up per token.
+A body holds nothing to release: a request not over when its body ends (the client went away)
+is closed by the handler's RequestScope (tidal/frontend.py).
 """
 
 from __future__ import annotations
@@ -266,9 +268,6 @@ class SseBody:
                     frame += sse(self.encoder.usage_json(reader.usage()))
                 frame += SSE_DONE
             return frame
-
-    async def aclose(self) -> None:
-        self.reader.frontend.close(self.reader.request)
 
 
 async def collect(reader: OutputReader, encoder: ChunkEncoder) -> dict[str, Any]:
