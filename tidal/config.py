@@ -69,7 +69,3 @@ class ServerConfig:
         if self.engine_restarts is not None:
             return self.engine_restarts
         return 5 if self.data_parallel_size > 1 else 0
-
-    @property
-    def queue_unbounded(self) -> bool:
-        return math.isinf(self.max_queued_requests)

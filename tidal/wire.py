@@ -79,10 +79,6 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknow
     logprobs: Count | None = None
     structured: StructuredOutput | None = None  # None: unconstrained (no grammar work at all)
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything the engine process needs to start. Sent as the first frame."""

@@ -19,6 +19,7 @@ import trio
 import trio.testing
 from h11._writers import ChunkedWriter
 
+from engines.single_engine import SingleEngine
 from tidal.config import ServerConfig
 from tidal.engines.client import EngineClient
 from tidal.http.fast_send import BodyWriter
@@ -66,7 +67,7 @@ async def open_stream(server_sock):
     config = ServerConfig(engine=EngineConfig(model="m", max_num_seqs=4))
     engine = EngineClient(config.engine, channel_capacity=math.inf)
     engine.ready = object()  # healthy, no process: what it sends stays queued
-    frontend = Frontend(config, engine, Metrics("m"), max_num_seqs=4)
+    frontend = Frontend(config, SingleEngine(engine), Metrics("m"), max_num_seqs=4)  # type: ignore[arg-type]
     request = frontend.open_request([1, 2, 3], SamplingParams(max_tokens=100), 0)
     rid = request.request_id
     engine._handle(StepReport([rid], [RequestOutput(rid, [5], "first")], [], EngineStats()))

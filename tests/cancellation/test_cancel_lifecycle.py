@@ -13,6 +13,7 @@ import itertools
 import pytest
 import trio
 
+from engines.single_engine import SingleEngine
 from tidal.config import ServerConfig
 from tidal.engines.client import EngineClient
 from tidal.frontend import Frontend
@@ -58,7 +59,7 @@ def _frontend() -> tuple[Frontend, EngineClient]:
     config = ServerConfig(engine=EngineConfig(model="tidal-tiny"))
     engine = EngineClient(config.engine, channel_capacity=64)
     engine.ready = object()  # type: ignore[assignment]  # healthy; no process: messages stay in the channel
-    return Frontend(config, engine, Metrics("tidal-tiny"), max_num_seqs=4), engine
+    return Frontend(config, SingleEngine(engine), Metrics("tidal-tiny"), max_num_seqs=4), engine  # type: ignore[arg-type]
 
 
 def _sent(engine: EngineClient) -> list:

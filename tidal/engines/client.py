@@ -89,7 +89,6 @@ class EngineClient:
         self._send, self._receive = trio.open_memory_channel(channel_capacity)
         self._nonces = itertools.count(1)
         self._pongs: dict[int, trio.Event] = {}
-        self._last_pong_time = 0.0
         self.read_time = 0.0  # time.monotonic() of the last read from the engine: its reports' "report_received"
 
     # ------------------------------------------------------------------ requests
@@ -97,12 +96,6 @@ class EngineClient:
     def attach(self, listener: Listener) -> None:
         """Send every report (and the news of the engine's death) to ``listener`` from now on."""
         self.listener = listener
-
-    def pick(self, prompt_token_ids: list[int]) -> "EngineClient":
-        """The engine that serves a request: this one (``tidal.engines.replicas.ReplicaSet`` picks among several)."""
-        if self.dead is not None:
-            raise EngineDead(self.dead)
-        return self
 
     def submit_nowait(self, message: AddRequest) -> None:
         """Queue the request for the engine. Never blocks.
@@ -176,7 +169,6 @@ class EngineClient:
                      process.pid, self.ready.device, self.ready.dtype, self.ready.dtype_reason,
                      self.ready.num_total_blocks,
                      self.ready.block_size, self.ready.max_model_len)
-            self._last_pong_time = trio.current_time()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._write_loop, process)
                 nursery.start_soon(self._heartbeat_loop, process)

@@ -20,7 +20,7 @@ from tidal.gpu.forward_batch import ForwardBatch
 from tidal.gpu.model.layers import Linear, gemv_ops
 from tidal.gpu.model.loader import load_model
 from tidal.gpu.cpu.features import cpu_native_bf16
-from tidal.gpu.model.precision import resolve_dtype
+from tidal.gpu.model.precision import resolve_precision
 from tidal.wire import AddRequest, EngineConfig, SamplingParams
 
 NUM_NEW_TOKENS = 64
@@ -109,17 +109,23 @@ def test_bf16_on_cpu_uses_prepacked_weights_when_onednn_has_bf16(model_dir):
     assert packed == [torch.ops.mkldnn._is_mkldnn_bf16_supported()] * len(linears)
 
 
+def _dtype_and_reason(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    precision = resolve_precision(name, device)
+    return precision.dtype, precision.reason
+
+
 def test_auto_dtype_is_bf16_exactly_where_the_cpu_has_native_bf16(monkeypatch):
     from tidal.gpu.cpu import features
 
-    dtype, why = resolve_dtype("auto", torch.device("cpu"))
+    cpu = torch.device("cpu")
+    dtype, why = _dtype_and_reason("auto", cpu)
     assert (dtype == torch.bfloat16) == (cpu_native_bf16() is not None and torch.backends.mkldnn.is_available())
     assert why.startswith("auto:")
     monkeypatch.setattr(features, "cpu_native_bf16", lambda: None)
-    assert resolve_dtype("auto", torch.device("cpu"))[0] == torch.float32
+    assert _dtype_and_reason("auto", cpu)[0] == torch.float32
     monkeypatch.setattr(features, "cpu_native_bf16", lambda: "avx512_bf16")
-    dtype, why = resolve_dtype("auto", torch.device("cpu"))
+    dtype, why = _dtype_and_reason("auto", cpu)
     assert dtype == torch.bfloat16 and "avx512_bf16" in why
-    assert resolve_dtype("float32", torch.device("cpu")) == (torch.float32, "--dtype float32")
+    assert _dtype_and_reason("float32", cpu) == (torch.float32, "--dtype float32")
     with pytest.raises(ValueError, match="unknown dtype"):
-        resolve_dtype("int8", torch.device("cpu"))
+        resolve_precision("int8", cpu)

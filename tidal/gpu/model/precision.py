@@ -39,12 +39,6 @@ class Precision:
     reason: str
 
 
-def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """(dtype, why) for ``--dtype name`` on ``device``; raises ``ValueError`` for an unknown name."""
-    precision = resolve_precision(name, device)
-    return precision.dtype, precision.reason
-
-
 def resolve_precision(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None = None) -> Precision:
     """The precision of ``--dtype name`` on ``device`` for a checkpoint whose linear weights are stored in
     ``checkpoint_dtype`` (None: unknown, treated as float32); raises ``ValueError`` for an unknown name."""
