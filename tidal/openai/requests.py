@@ -383,7 +383,8 @@ def structured_output(r: ChatCompletionRequest | CompletionRequest) -> tuple[Str
     """The request's output constraint and the field that set it; 400 on a malformed one.
 
     A constraint its grammar engine rejects (an unsupported schema keyword, a bad regex) is
-    refused by the engine before the request is scheduled, also with a 400 (see ``Api.prepare``).
+    refused by the engine before the request is scheduled, also with a 400 (see ``Api.first_output`` in
+    tidal/openai/service.py).
     """
     found: list[tuple[StructuredOutput, str]] = []
     fmt = r.response_format
@@ -465,7 +466,7 @@ def tool_use(r: ChatCompletionRequest | CompletionRequest) -> ToolUse | None:
                "tool_choice must be 'none', 'auto', 'required' or a named function", "tool_choice")
         _check(choice in (None, "none") or tools, f"tool_choice {choice!r} needs tools", "tool_choice")
         if not tools or choice == "none":
-            return None  # tools with "none" are still shown to the template (see Api.prepare)
+            return None  # tools with "none" are still shown to the template (Api.admit_choices)
         mode, function = ("auto" if choice in (None, "auto") else "required"), None
     plain = [msgspec.to_builtins(tool) for tool in tools]
     return ToolUse(plain, mode, function, r.parallel_tool_calls)  # type: ignore[arg-type]

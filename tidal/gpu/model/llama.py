@@ -6,7 +6,7 @@ embeddings. q/k/v and gate/up are stored fused so each is one matmul (fewer, lar
 are markedly faster on CPU); ``load_weights`` splits Hugging Face's separate tensors into them.
 
 With ``tp`` (a ``parallel.TensorParallel`` of more than one rank) the model is this rank's shard:
-the layers of ``parallel_layers`` replace the plain ones, ``load_weights`` takes each tensor's slice,
+the layers of ``tidal/gpu/parallel/layers.py`` replace the plain ones, ``load_weights`` takes each tensor's slice,
 and ``compute_logits`` returns the full logits on rank 0 only. Without it nothing changes.
 
 The caller runs ``forward``/``compute_logits`` under ``torch.inference_mode()``.

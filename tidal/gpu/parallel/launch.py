@@ -34,7 +34,7 @@ def start_rank(config: EngineConfig, rank: int, master_port: int | str) -> subpr
                WORLD_SIZE=str(config.tensor_parallel_size), MASTER_ADDR=config.master_addr,
                MASTER_PORT=str(master_port), TIDAL_TP_PARENT=str(os.getpid()))
     if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:  # a headless node's ranks
-        env["GOMP_SPINCOUNT"] = "10000"  # the engine's short spin (engine_client.OMP_SPIN_COUNT)
+        env["GOMP_SPINCOUNT"] = "10000"  # the engine's short spin (tidal/engines/client.py's OMP_SPIN_COUNT)
     process = subprocess.Popen([sys.executable, "-m", "tidal.gpu.parallel.worker"], stdin=subprocess.PIPE, env=env)
     process.stdin.write(encode_frame(config))
     process.stdin.flush()

@@ -5,7 +5,7 @@
 // costs a few microseconds of Python and dispatcher work around kernels that themselves take
 // microseconds: on the 12-layer "small" model that was ~0.7 ms of a ~6.5 ms step, on top of
 // the weight reads the step is bound by. Here the same kernels run in the same order with the same
-// arguments, called directly: the result is bitwise the Python layers' (tests/gpu/test_decoder_stack.py).
+// arguments, called directly: the result is bitwise the Python layers' (tests/gpu/cpu/test_decoder_stack.py).
 // The embedding and the final norm run here too, as the same ATen and tidal ops the Python forward calls:
 // each Python call costs ~50-100 us at decode, where the weight stream has just evicted the interpreter's
 // and dispatcher's state from the caches. The rotary angles come from RotaryEmbedding.cos_sin, their one

@@ -16,7 +16,7 @@
 //
 // The AVX2 code is compiled for that target whatever the build's flags (a function attribute); the Python
 // side calls it only where linear_avx2_supported() (the CPU has AVX2 and FMA). In a build for AVX-512
-// (cpu_kernels.py) the compiler may still use EVEX encodings here (the attribute adds to the build's ISA;
+// (tidal/gpu/cpu/kernels.py) the compiler may still use EVEX encodings here (the attribute adds to the build's ISA;
 // "no-avx512f" breaks the inlining of the intrinsics), so a run forced on such a CPU is close to, not
 // exactly, the AVX2-only code. Off x86 the op is built as a stub that reports itself unsupported, so the
 // other kernels of the library still build.
