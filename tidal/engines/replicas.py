@@ -7,9 +7,11 @@ Nursery nesting is lifetime nesting::
       ...
       _supervise(replica N-1)
 
-Each replica is an ``EngineClient`` (its own process, pipes and device). The supervisor is the
-listener of every client it starts: it counts the requests each replica reports finished for
-the router (``tidal/engines/router.py``), then hands the report to the frontend (``on_report``). When a
+Each replica is an ``EngineClient`` (its own process, pipes and device) at a time, and its life is
+the state table of ``tidal/engines/replica_state.py``; ``_move`` is the table's one writer and the
+only code that tells the router (``tidal/engines/router.py``) a replica is up or down. The
+supervisor is the listener of every client it starts: it counts the requests the serving client
+reports finished for the router, then hands the report to the frontend (``on_report``). When a
 replica dies its requests fail through the frontend's ``on_engine_dead`` (error frames, as with
 one engine), the router stops sending it requests at once, and the other replicas keep serving.
 
