@@ -5,7 +5,8 @@ chat request; the answer reads the same ``OutputReader``. A stream sends Anthrop
 their order: ``message_start``; per block ``content_block_start``, ``content_block_delta``
 (``thinking_delta``, ``text_delta``, ``input_json_delta``), ``content_block_stop``; then
 ``message_delta`` (stop reason, output tokens) and ``message_stop``. Errors are Anthropic's
-shape (tidal/anthropic/errors.py). A disconnect closes the request as for chat.
+shape (tidal/anthropic/errors.py). A disconnect closes the request as for chat (the handler's RequestScope,
+tidal/frontend.py).
 """
 
 from __future__ import annotations
@@ -120,8 +121,6 @@ class MessagesService:
             return json_answer(self._message(message_id, blocks.blocks, reader, done=True))
         except ApiError as error:
             return errors.error_answer(error)
-        finally:
-            self.api.frontend.close(active)
 
 
 class MessagesSseBody:
@@ -162,6 +161,3 @@ class MessagesSseBody:
                 return frames + _event("message_stop")
             if frames:
                 return frames
-
-    async def aclose(self) -> None:
-        self.reader.frontend.close(self.reader.request)

@@ -6,7 +6,7 @@ parser, tool calls read at the end) and turns its deltas into output items: a ``
 a ``message`` item, then one ``function_call`` item per call. A stream sends OpenAI's typed SSE
 events in their order (``response.created``, ``response.in_progress``, per item
 ``response.output_item.added`` ... ``response.output_item.done``, ``response.completed`` with
-usage). A disconnect cancels the handler; the body's ``aclose`` and the request scope close the
+usage). A disconnect cancels the handler; its request scope (tidal/frontend.py) closes the
 request, which frees its KV as for chat.
 """
 
@@ -165,8 +165,6 @@ class ResponsesService:
             return json_answer(self._finish(reader, shape, items, conversation))
         except ApiError as error:
             return error_answer(error)
-        finally:
-            self.api.frontend.close(active)
 
     def _finish(self, reader: OutputReader, shape: shapes.ResponseShape, items: OutputItems,
                 conversation: list[dict[str, Any]]) -> dict[str, Any]:
@@ -222,6 +220,3 @@ class ResponsesSseBody:
                 return frames + items.event("response.completed", response=response)
             if frames:
                 return frames
-
-    async def aclose(self) -> None:
-        self.reader.frontend.close(self.reader.request)
