@@ -176,12 +176,19 @@ def test_a_cancelled_request_ends_its_span_with_the_abort_reason(server, collect
 def test_a_slow_client_shows_its_coalescing(server, collector):
     trace_id, _, traceparent = _traceparent()
     body = json.dumps({"prompt": "Once", "max_tokens": 1500, "ignore_eos": True, "stream": True}).encode()
+    before = server.metrics()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # a small window: the server's buffer fills
     sock.connect(("127.0.0.1", server.port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"traceparent: " + traceparent.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-    time.sleep(4)  # the client reads nothing while the engine generates
+    # the client reads nothing until the engine has generated everything: the socket buffers fill
+    # (a 2 KiB window) and the mailbox merges what the engine keeps producing
+    # (until 50 more engine outputs arrived than frames were written, well within --stream-stall-timeout)
+    m0 = before
+    server.wait_for(lambda m: (m["tidal:inter_output_latency_seconds_count"] - m0["tidal:inter_output_latency_seconds_count"])
+                    - (m["tidal:inter_token_latency_seconds_count"] - m0["tidal:inter_token_latency_seconds_count"]) >= 50,
+                    timeout=25, interval=0.2)
     sock.settimeout(60)
     data = b""
     while b"[DONE]" not in data:
@@ -207,6 +214,31 @@ def test_hop_histograms_exist_and_move(server):
         assert after[key] == before[key] + 1, hop
     assert after["tidal:time_to_first_token_seconds_count"] == before["tidal:time_to_first_token_seconds_count"] + 1
     assert after["tidal:inter_token_latency_seconds_count"] >= before["tidal:inter_token_latency_seconds_count"] + 1
+
+
+async def test_a_websocket_request_is_traced_from_its_message_and_its_done_carries_its_hops(server, collector):
+    import trio_websocket
+
+    trace_id, parent_id, traceparent = _traceparent()
+    url = f"ws://127.0.0.1:{server.port}/v1/ws"
+    async with trio_websocket.open_websocket_url(url) as ws:
+        await ws.send_message(json.dumps({"type": "request", "id": 1, "endpoint": "chat.completions",
+                                          "traceparent": traceparent,
+                                          "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}}))
+        while True:
+            message = json.loads(await ws.get_message())
+            if message["type"] != "chunk":
+                break
+    assert message["type"] == "done", message
+    hops = message["hops"]  # what the chat page draws: the hops in order, ms
+    names = [name for name, _ in hops]
+    assert names[0] == "parse" and names[-1] == "stream" and "prefill" in names
+    assert all(ms >= 0 for _, ms in hops)
+    root, spans = collector.trace(trace_id)
+    assert root.parent_span_id == parent_id
+    assert [s.name for s in spans] == names
+    duration_ms = (root.end_time_unix_nano - root.start_time_unix_nano) / 1e6
+    assert abs(sum(ms for _, ms in hops) - duration_ms) < 0.05  # the same clock, rounded to us
 
 
 def test_collector_down_costs_no_request_anything_but_counted_drops(server, collector):

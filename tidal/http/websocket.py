@@ -169,7 +169,10 @@ class Connection:
                         chunk = encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls, reasoning)
                         await self.send((prefix + chunk + b"}").decode())
                         timeline.wrote(time.monotonic())
-                    await self.send(_encode({"type": "done", "id": rid, "usage": reader.usage()}).decode())
+                    # the hops of its way, first byte to last frame (ms): the chat page draws them as a waterfall
+                    hops = [[hop, round((end - start) * 1000, 3)]
+                            for hop, start, end in timeline.hops(timeline.last_written)]
+                    await self.send(_encode({"type": "done", "id": rid, "usage": reader.usage(), "hops": hops}).decode())
                 if scope.cancelled_caught:  # the client sent "cancel"
                     requests.close_reason = "client_cancel"
             if scope.cancelled_caught:

@@ -70,6 +70,7 @@ function onMessage(message) {
       endAnswer("stopped", "Stopped. The server aborted the request and freed its KV cache blocks.");
     } else {
       endAnswer("done", null, message.usage);
+      if (message.hops) showHops(message.hops, message.id);
     }
   } else if (message.type === "error") {
     endAnswer("error", describeError(message));
@@ -104,6 +105,7 @@ function describeError(message) {
 async function send(body) {
   const el = addMessage("assistant", "");
   el.classList.add("streaming");
+  el.dataset.answer = "ui-" + nextId;
   answer = { id: "ui-" + nextId++, body, el, text: "", sentAt: performance.now(), firstAt: null, lastAt: null,
              chunks: 0 };
   $("send").disabled = true;
@@ -155,6 +157,35 @@ function showStats(usage, which = answer) {
     which.el.appendChild(stats);
   }
   stats.textContent = parts.filter(Boolean).join(" · ");
+}
+
+// The server's hops of one answer, first byte in to last frame out (docs/metrics.md): a bar each,
+// offset by the hops before it, so the waterfall shows where the answer's time went.
+function showHops(hops, id) {
+  const el = document.querySelector(`[data-answer="${id}"]`);
+  if (!el || !hops.length) return;
+  const total = hops.reduce((sum, [, ms]) => sum + ms, 0) || 1;
+  const box = document.createElement("details");
+  box.className = "hops";
+  const summary = document.createElement("summary");
+  summary.textContent = `where the time went: ${Math.round(total)} ms on the server`;
+  box.appendChild(summary);
+  let start = 0;
+  for (const [hop, ms] of hops) {
+    const row = document.createElement("div");
+    row.className = "hop";
+    const bar = document.createElement("span");
+    bar.className = "hop-bar";
+    bar.style.marginLeft = (100 * start / total) + "%";
+    bar.style.width = Math.max(0.5, 100 * ms / total) + "%";
+    const label = document.createElement("span");
+    label.className = "hop-label";
+    label.textContent = `${hop} ${ms < 10 ? ms.toFixed(2) : Math.round(ms)} ms`;
+    row.append(label, bar);
+    box.appendChild(row);
+    start += ms;
+  }
+  el.appendChild(box);
 }
 
 // ------------------------------------------------------------------ the page
