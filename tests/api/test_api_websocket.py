@@ -135,7 +135,7 @@ async def test_raw_protocol_messages(ws_server):
     for message in got[7][:-1]:
         assert set(message) == {"type", "id", "data"} and message["id"] == 7
     *chunks, done = got["c"]
-    assert done == {"type": "done", "id": "c", "usage": done["usage"]} and done["usage"]["completion_tokens"] == 4
+    assert done == {"type": "done", "id": "c", "usage": done["usage"], "hops": done["hops"]} and done["usage"]["completion_tokens"] == 4
     assert [c["data"]["object"] for c in chunks] == ["text_completion"] * len(chunks)
     assert chunks[-1]["data"]["choices"][0]["finish_reason"] == "length"
 
