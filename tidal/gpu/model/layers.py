@@ -171,6 +171,8 @@ class Linear(nn.Module):
                 self.weight = None
             return
         ops = gemv_ops(self.weight.dtype, self.weight.device)
+        if ops is None and not packs_weights(self.weight.dtype, self.weight.device):
+            return  # no oneDNN bf16 on this CPU (AVX2 only): F.linear on the plain weight, as in an unpacked model
         if ops is not None:
             self.gemv_packed = pack_gemv_weight(self.weight)
             self._gemv = ops
