@@ -137,12 +137,6 @@ def test_quantization_at_load_refuses_an_already_quantized_checkpoint(compressed
         load(compressed_dir("llama", "w4a16"), "int8")
 
 
-def test_tensor_parallelism_is_refused_clearly(dense_dir):
-    with pytest.raises(ValueError, match="no tensor parallelism"):
-        load_model(dense_dir("llama"), torch.float32, torch.device("cpu"), TorchPagedAttention(), tp=object(),
-                   quantize="int8")
-
-
 def test_a_scale_of_the_wrong_shape_fails_to_load(compressed_dir, tmp_path):
     source = compressed_dir("llama", "w4a16")
     for entry in os.listdir(source):

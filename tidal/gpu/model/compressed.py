@@ -175,7 +175,8 @@ class CompressedCheckpoint:
 
     def attach(self, modules: dict) -> None:
         """Give each of tidal's Linears (``modules``: name -> module) the integers of its checkpoint modules
-        (a fused q/k/v or gate/up Linear gets its parts stacked in order)."""
+        (a fused q/k/v or gate/up Linear gets its parts stacked in order). A tensor-parallel shard takes its
+        slice of each part as of the dense weight (its ``shard``), scales and zero points with it."""
         from tidal.gpu.model.llama import _target
 
         fused: dict[str, dict[int, QuantizedWeight]] = {}
@@ -186,7 +187,14 @@ class CompressedCheckpoint:
             expected = 3 if name.endswith("qkv_proj") else 2 if name.endswith("gate_up_proj") else 1
             if sorted(parts) != list(range(expected)):
                 raise ValueError(f"checkpoint quantizes only some parts of {name!r}: tidal fuses them into one linear")
-            modules[name].quantized = QuantizedWeight.cat([parts[i] for i in range(expected)])
+            module = modules[name]
+            shard = getattr(module, "shard", None)
+            if shard is not None:
+                try:
+                    parts = {i: shard("weight", parts[i], i if expected > 1 else None) for i in range(expected)}
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+            module.quantized = QuantizedWeight.cat([parts[i] for i in range(expected)])
 
 
 def _need(parts: dict[str, torch.Tensor], prefix: str, part: str) -> torch.Tensor:

@@ -154,6 +154,10 @@ class Linear(nn.Module):
         linear.pack(weight_dtype)
         return linear
 
+    def quantize(self, scheme: quantization.Scheme) -> quantization.QuantizedWeight:
+        """This Linear's weight rounded to ``scheme`` (a row-parallel shard's scales span the whole rows)."""
+        return quantization.quantize(self.weight, scheme)
+
     def pack(self, weight_dtype: torch.dtype | None = None) -> None:
         """Pack the weight for this CPU's fastest path. ``weight_dtype=torch.bfloat16`` on a float32 weight:
         store it in bf16 for the AVX2 kernel (exact where the values are bf16, as from a bf16 checkpoint);

@@ -52,9 +52,9 @@ def load_model(
     if quantize is not None and checkpoint is not None:
         raise ValueError(f"--quantization {quantize}: the checkpoint is already quantized ({checkpoint.describe()})")
     if (quantize is not None or checkpoint is not None and checkpoint.keeps_integers) and (
-            tp is not None or torch.device(device).type != "cpu" or quantization.int_linear_ops(device) is None):
-        raise ValueError("int8/int4 weights run on CPU only, on one process (no tensor parallelism) with the C++ "
-                         "kernels built (AVX2+FMA): " + (f"--quantization {quantize}" if quantize else checkpoint.describe()))
+            torch.device(device).type != "cpu" or quantization.int_linear_ops(device) is None):
+        raise ValueError("int8/int4 weights run on CPU only, with the C++ kernels built (AVX2+FMA): "
+                         + (f"--quantization {quantize}" if quantize else checkpoint.describe()))
     model = model_class(config)(config, attention, dtype=dtype, device=device, tp=tp)
     if tiny_model.has_generated_weights(model_dir, config):
         weights = tiny_model.generate_weights(config, tiny_model.special_token_ids(model_dir), config.init_seed)
@@ -64,14 +64,27 @@ def load_model(
     else:
         model.load_weights(iter_safetensors(model_dir, lazy=tp is not None))
     model.eval()
-    decoder_linears = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
-    if quantize is not None:
-        quantization.quantize_linears(decoder_linears, quantization.ON_THE_FLY[quantize])
+    named_linears = [(f"model.layers.{name}", m) for name, m in model.model.layers.named_modules() if isinstance(m, Linear)]
+    decoder_linears = [m for _, m in named_linears]
+    if quantize is not None:  # tensor-parallel: each rank rounds its own shard (Linear.quantize)
+        quantization.quantize_linears(named_linears, quantization.ON_THE_FLY[quantize])
     elif checkpoint is not None and checkpoint.keeps_integers:
         checkpoint.attach(dict(model.named_modules()))
     if any(linear.quantized is not None for linear in decoder_linears) or packs_weights(dtype, device, linear_weights):
         model.pack_weights(linear_weights if linear_weights != dtype else None)
     return model, config
+
+
+def quantization_groups(model_dir: str, quantize: str | None) -> tuple[str, int] | None:
+    """(the scheme in words, its inputs per scale) of the grouped int weights loading would make, from
+    ``--quantization`` or the checkpoint; None for dense or per-channel weights (which split anywhere)."""
+    if quantize is not None:
+        scheme = quantization.ON_THE_FLY[quantize]
+        return None if scheme.group_size is None else (f"--quantization {quantize} ({scheme.describe()})", scheme.group_size)
+    checkpoint = compressed.CompressedCheckpoint.read(model_dir)
+    if checkpoint is None or not checkpoint.keeps_integers or checkpoint.strategy != "group":
+        return None
+    return checkpoint.describe(), checkpoint.group_size
 
 
 def quantized_weights_note(model) -> str:

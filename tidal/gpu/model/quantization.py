@@ -57,6 +57,26 @@ class QuantizedWeight:
             q = q - self.zero_points.float().repeat_interleave(self.group_size, dim=1)[:, :k]
         return q * self.scales.repeat_interleave(self.group_size, dim=1)[:, :k]
 
+    def __getitem__(self, index) -> QuantizedWeight:
+        """A tensor-parallel shard, indexed as the dense weight is: output channels ``w[a:b]`` (with their scales
+        and zero points) or inputs ``w[:, a:b]``. An input slice keeps a per-channel scale whole (each rank's
+        partial sum is scaled by it, and the sums add up exactly) and otherwise must be whole groups
+        (``check_whole_groups``): the kernel's groups start at the first input."""
+        rows, inputs = index if isinstance(index, tuple) else (index, slice(None))
+        q, scales, zero_points = self.q[rows], self.scales[rows], None if self.zero_points is None else self.zero_points[rows]
+        k = self.q.shape[1]
+        start, stop, step = inputs.indices(k)
+        if (start, stop, step) == (0, k, 1):
+            return QuantizedWeight(q, scales, zero_points, self.bits, self.group_size)
+        if step != 1:
+            raise ValueError("a quantized weight is sharded by contiguous inputs only")
+        if self.group_size >= k:  # one scale per output channel
+            return QuantizedWeight(q[:, start:stop], scales, zero_points, self.bits, stop - start)
+        check_whole_groups(start, stop, k, self.bits, self.group_size)
+        groups = slice(start // self.group_size, -(-stop // self.group_size))
+        return QuantizedWeight(q[:, start:stop], scales[:, groups],
+                               None if zero_points is None else zero_points[:, groups], self.bits, self.group_size)
+
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """The parts stacked along the output dimension (a fused q/k/v or gate/up weight)."""
@@ -71,25 +91,38 @@ class QuantizedWeight:
                                first.bits, first.group_size)
 
 
-def quantize(weight: torch.Tensor, scheme: Scheme) -> QuantizedWeight:
+def check_whole_groups(start: int, stop: int, k: int, bits: int, group_size: int) -> None:
+    """Raise ``ValueError`` unless inputs [start, stop) of a ``k``-input weight quantized in groups of
+    ``group_size`` are whole groups (the last one may end at ``k``), as a row-parallel shard must be."""
+    if start % group_size or (stop % group_size and stop != k):
+        raise ValueError(f"int{bits} group {group_size} weights do not split here: a shard's K is {stop - start} "
+                         f"(inputs {start}..{stop} of {k}), not whole groups of {group_size}")
+
+
+def quantize(weight: torch.Tensor, scheme: Scheme, amax: torch.Tensor | None = None) -> QuantizedWeight:
     """``weight`` [N, K] rounded to the nearest of 2^bits steps per output channel or per group (symmetric:
-    the step is the largest magnitude / (2^(bits-1) - 1))."""
+    the step is the largest magnitude / (2^(bits-1) - 1)). ``amax`` [N, groups] replaces the weight's own
+    largest magnitudes: a row-parallel shard's per-channel scale is the whole row's."""
     if not scheme.symmetric:
         raise ValueError("on-the-fly quantization is symmetric only")
     n, k = weight.shape
     group = scheme.group_size or k
     qmax = 2 ** (scheme.bits - 1) - 1
     w = F.pad(weight.detach().float(), (0, -k % group)).view(n, -1, group)
-    scales = w.abs().amax(dim=2) / qmax
+    scales = (w.abs().amax(dim=2) if amax is None else amax.float()) / qmax
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group: any scale
     q = torch.clamp(torch.round(w / scales[:, :, None]), -qmax - 1, qmax).to(torch.int8)
     return QuantizedWeight(q.view(n, -1)[:, :k].contiguous(), scales, None, scheme.bits, group)
 
 
-def quantize_linears(linears, scheme: Scheme) -> None:
-    """Give each Linear the quantized form of its weight, for ``Linear.pack`` to pack."""
-    for linear in linears:
-        linear.quantized = quantize(linear.weight, scheme)
+def quantize_linears(named_linears, scheme: Scheme) -> None:
+    """Give each Linear ((name, Linear) pairs) the quantized form of its weight, for ``Linear.pack`` to pack
+    (``Linear.quantize``: a tensor-parallel shard quantizes its own slice)."""
+    for name, linear in named_linears:
+        try:
+            linear.quantized = linear.quantize(scheme)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
 
 
 def weight_bytes(linears) -> tuple[int, int]:

@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from tidal.gpu.forward_batch import ForwardBatch
 from tidal.gpu.model.config import ModelConfig
-from tidal.gpu.parallel.layers import check_tensor_parallel
+from tidal.gpu.model.loader import quantization_groups
+from tidal.gpu.parallel.layers import check_quantized_split, check_tensor_parallel
 from tidal.gpu.model.synthetic_model import SYNTHETIC_MODEL_NAME
 from tidal.gpu.parallel.launch import rendezvous_port, start_rank
 from tidal.wire import EngineConfig, decode_config
@@ -61,7 +62,11 @@ def check_config(config: EngineConfig, model_dir: str, device: torch.device) -> 
         raise ValueError(f"--tensor-parallel-size needs a model with weights; {SYNTHETIC_MODEL_NAME} has none")
     if size % config.nnodes:
         raise ValueError(f"--nnodes {config.nnodes} does not divide --tensor-parallel-size {size}")
-    check_tensor_parallel(ModelConfig.from_dir(model_dir), size)
+    model_config = ModelConfig.from_dir(model_dir)
+    check_tensor_parallel(model_config, size)
+    groups = quantization_groups(model_dir, config.quantization)
+    if groups is not None:
+        check_quantized_split(model_config, size, *groups)
     if device.type == "cuda":  # NCCL needs a GPU per rank
         per_node, gpus = ranks_per_node(config), torch.cuda.device_count()
         if config.device.startswith("cuda:"):
@@ -93,6 +98,11 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise largest over the ranks (at load: a row shard's per-channel quantization scale)."""
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
         return x
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tidal.gpu.model import quantization
 from tidal.gpu.model.layers import GatedMLP, Linear
 from tidal.gpu.model.config import ModelConfig
 
@@ -44,6 +45,15 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     if (kv >= size and kv % size) or (kv < size and size % kv):
         raise ValueError(f"--tensor-parallel-size {size} must divide, or be a multiple of, the model's "
                          f"{kv} KV heads")
+
+
+def check_quantized_split(config: ModelConfig, size: int, scheme: str, group_size: int) -> None:
+    """Raise ``ValueError`` (one line) unless each row-parallel layer's slice of inputs is whole groups of
+    ``group_size`` (the int kernel's scales start at a group; ``QuantizedWeight`` slices refuse the rest)."""
+    for layer, k in (("o_proj", config.num_heads * config.head_dim), ("down_proj", config.intermediate_size)):
+        if group_size < k and (k // size) % group_size:
+            raise ValueError(f"--tensor-parallel-size {size} gives each rank {k // size} of {layer}'s {k} inputs (its "
+                             f"shard's K), not whole groups of {group_size} of the {scheme} weights")
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,18 @@ class RowParallelLinear(Linear):
             return tensor[:] if self.tp.rank == 0 else torch.zeros(self.bias.shape)
         start, size = self.in_part
         return tensor[:, start:start + size]
+
+    def quantize(self, scheme: quantization.Scheme) -> quantization.QuantizedWeight:
+        """This rank's slice rounded as the slice of the whole quantized weight would be: groups are local when
+        the slice is whole groups (refused otherwise); one scale per channel is the whole row's, its largest
+        magnitude taken over every rank's slice."""
+        start, size = self.in_part
+        k = size * self.tp.size  # every rank's slice is the same size
+        if scheme.group_size is not None and scheme.group_size < k:
+            quantization.check_whole_groups(start, start + size, k, scheme.bits, scheme.group_size)
+            return quantization.quantize(self.weight, scheme)
+        amax = self.tp.all_reduce_max(self.weight.detach().abs().amax(dim=1, keepdim=True).float())
+        return quantization.quantize(self.weight, quantization.Scheme(scheme.bits, None, scheme.symmetric), amax)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(super().forward(x))
