@@ -71,23 +71,26 @@ def run_engine(model_dir: str, tensor_parallel_size: int, quantization: str | No
             engine.runner.tp.close()
 
 
-def assert_two_ranks_match_one(model_dir: str, quantization: str | None, group: int | None) -> None:
+def assert_two_ranks_match_one(model_dir: str, quantization: str | None, group: int | None,
+                               kv_heads: int = 2) -> None:
     one_tokens, one_logprobs, one_shapes = run_engine(model_dir, 1, quantization)
     two_tokens, two_logprobs, two_shapes = run_engine(model_dir, 2, quantization)
     assert two_tokens == one_tokens
     assert len({t for tokens in one_tokens for t in tokens}) > 3  # the comparison means something
     torch.testing.assert_close(two_logprobs, one_logprobs, rtol=0, atol=1e-4)
-    # rank 0 holds half of each: qkv's outputs (2 KV heads: one per rank), o/down's inputs, groups kept
+    # rank 0 holds half of each: qkv's query heads and its KV heads (one KV head: a replica of it), o/down's
+    # inputs, groups kept
     (n, k, g), (o_n, o_k, o_g) = one_shapes["qkv"], one_shapes["o"]
-    assert two_shapes["qkv"] == (n // 2, k, g)
+    head_dim = SPLITS["head_dim"]
+    assert two_shapes["qkv"] == (o_k // 2 + 2 * max(kv_heads // 2, 1) * head_dim, k, g)
     assert two_shapes["o"] == (o_n, o_k // 2, o_g if group else o_k // 2)
     assert two_shapes["down"][1] == one_shapes["down"][1] // 2
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_two_ranks_quantizing_their_shards_give_one_ranks_tokens_and_logprobs(quantization, hf_model_dir):
-    assert_two_ranks_match_one(hf_model_dir("llama", seed=3, **SPLITS), quantization,
-                               ON_THE_FLY[quantization].group_size)
+@pytest.mark.parametrize("quantization, kv_heads", [("int8", 2), ("int4", 1)])
+def test_two_ranks_quantizing_their_shards_give_one_ranks_tokens_and_logprobs(quantization, kv_heads, hf_model_dir):
+    model_dir = hf_model_dir("llama", seed=3, num_key_value_heads=kv_heads, **SPLITS)
+    assert_two_ranks_match_one(model_dir, quantization, ON_THE_FLY[quantization].group_size, kv_heads)
 
 
 def test_two_ranks_shard_a_w4a16_checkpoints_integers_scales_and_zero_points(hf_model_dir, tmp_path):
@@ -166,14 +169,14 @@ def test_a_served_two_rank_int8_model_answers_through_the_openai_sdk(hf_model_di
     import openai
     from tokenizers import Tokenizer
 
-    model_dir = hf_model_dir("llama", seed=3, **SPLITS)
+    model_dir = hf_model_dir("llama", seed=3, num_key_value_heads=2, **SPLITS)
     expected, _, _ = run_engine(model_dir, 1, "int8")
     with LiveServer("--model", model_dir, "--served-model-name", "m", "--tensor-parallel-size", "2",
                     "--quantization", "int8", "--dtype", "float32", "--num-kv-blocks", "64") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
         completion = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=NUM_NEW_TOKENS,
                                                temperature=0, logprobs=1)
-        assert "int8 weights:" in server.log()
+        assert "int8 weights:" in server.log() and "read per step by each of 2 ranks" in server.log()
     assert completion.usage.completion_tokens == NUM_NEW_TOKENS
     tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     assert completion.choices[0].text == tokenizer.decode(expected[0])

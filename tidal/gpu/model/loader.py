@@ -94,8 +94,9 @@ def quantized_weights_note(model) -> str:
     if not schemes:
         return ""
     quantized, dense = quantization.weight_bytes(linears)
+    tp = getattr(model, "tp", None)
     return (f"; {'+'.join(schemes)} weights: {quantized / 1e6:.1f} MB quantized + {dense / 1e6:.1f} MB dense "
-            f"linear weights read per step")
+            f"linear weights read per step{'' if tp is None else f' by each of {tp.size} ranks'}")
 
 
 def checkpoint_weight_dtype(model_dir: str) -> torch.dtype | None:
