@@ -1,7 +1,7 @@
 """Tensor parallelism over int8/int4 weights (CPU ranks over gloo, real rank processes): each rank holds its
 slice of the integers with their scales and zero points, sliced as the dense weight is, and two ranks give
-one rank's greedy tokens and logprobs for --quantization int8, int4 and a compressed-tensors W4A16
-checkpoint. A row-parallel slice that is not whole groups is refused before any rank starts, naming the
+one rank's greedy tokens and logprobs for --quantization int8, int4 and compressed-tensors W4A16 and W8A16
+checkpoints. A row-parallel slice that is not whole groups is refused before any rank starts, naming the
 layer, the group size and the shard's K.
 
 Float32 activations: the two ranks' partial sums add up to one rank's sum up to float rounding order.
@@ -93,13 +93,18 @@ def test_two_ranks_quantizing_their_shards_give_one_ranks_tokens_and_logprobs(qu
     assert_two_ranks_match_one(model_dir, quantization, ON_THE_FLY[quantization].group_size, kv_heads)
 
 
-def test_two_ranks_shard_a_w4a16_checkpoints_integers_scales_and_zero_points(hf_model_dir, tmp_path):
+@pytest.mark.parametrize("preset, group, weight_args", [
+    ("W4A16", 128, {"symmetric": False}),  # with zero points
+    ("W8A16", None, {"strategy": "channel", "group_size": None}),
+])
+def test_two_ranks_shard_a_checkpoints_integers_scales_and_zero_points(preset, group, weight_args, hf_model_dir,
+                                                                       tmp_path):
     pytest.importorskip("compressed_tensors")
     from quantized_checkpoints import write_compressed
 
-    model_dir = write_compressed(hf_model_dir("qwen2", seed=4, **SPLITS), tmp_path / "w4a16", "W4A16",
-                                 "pack-quantized", symmetric=False)
-    assert_two_ranks_match_one(model_dir, None, 128)
+    model_dir = write_compressed(hf_model_dir("qwen2", seed=4, **SPLITS), tmp_path / preset, preset,
+                                 "pack-quantized", **weight_args)
+    assert_two_ranks_match_one(model_dir, None, group)
 
 
 # ---------------------------------------------------------------------- shard then quantize
