@@ -36,10 +36,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="Weights and activations dtype. auto: bfloat16 on CUDA and on CPUs with native bf16 "
                         "(avx512_bf16 or amx_bf16), float32 on other CPUs; the engine-ready log line says which.")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="Quantize a full-precision checkpoint's linear weights at load (CPU): int8 (one scale per "
+    g.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
+                   help="Quantize a full-precision checkpoint's linear weights at load: int8 (one scale per "
                         "output channel) or int4 (one per 128 inputs), read 2x / ~4x fewer bytes per decode step "
-                        "than bf16. Quantized (compressed-tensors) checkpoints need no flag.")
+                        "than bf16 (CPU: C++ kernel; CUDA: Triton kernel); fp8 (CUDA GPUs with FP8, compute "
+                        "capability 8.9+: FP8 weights per channel, activations per token, torch._scaled_mm). "
+                        "Quantized (compressed-tensors) checkpoints need no flag.")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="Longest prompt + completion in tokens (default: the model's max_position_embeddings, "
                         "capped by the KV cache size).")

@@ -85,7 +85,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     model: str
     dtype: str = "auto"
-    quantization: str | None = None  # "int8" / "int4": quantize the linear weights at load (CPU)
+    quantization: str | None = None  # "int8" / "int4" (CPU or CUDA), "fp8" (CUDA with FP8): quantize linears at load
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256

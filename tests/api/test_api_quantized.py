@@ -55,3 +55,11 @@ def test_quantizing_an_already_quantized_checkpoint_stops_the_start(w4a16_dir):
     with pytest.raises(RuntimeError, match="already quantized"):
         server.start()
     server.stop()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU with FP8 would run it")
+def test_fp8_without_a_gpu_stops_the_start_in_one_line():
+    server = LiveServer("--model", "tidal-tiny", "--quantization", "fp8", "--num-kv-blocks", "64", start_timeout=90)
+    with pytest.raises(RuntimeError, match=r"--quantization fp8 needs a CUDA GPU with FP8 \(compute capability 8\.9\+\)"):
+        server.start()
+    server.stop()

@@ -6,7 +6,9 @@ config.json's ``quantization_config`` (``quant_method: compressed-tensors``) nam
   stored ``pack-quantized`` (integers packed into int32 words) or ``int-quantized``/``naive-quantized``
   (one int8 per weight): the integers and scales are kept and run on the int kernel (quantization.py);
 * FP8 weights (W8A8-FP8 or W8A16-FP8, per tensor or per channel, ``float-quantized``/``naive-quantized``):
-  dequantized to the compute dtype at load (CPUs have no FP8 arithmetic); activations are not quantized.
+  on a CUDA GPU with FP8 (``keep_fp8``, set by the loader) kept as FP8 with per-channel scales and run with
+  per-token FP8 activations (quantized_linear.Fp8Linear); elsewhere dequantized to the compute dtype at load
+  (CPUs have no FP8 arithmetic) and the activations are not quantized.
 
 Anything else (int8 activations, 2:4 sparsity, NVFP4/MXFP4, block-wise FP8, 2/3-bit) is refused with one
 line naming the scheme, and a checkpoint whose scales, zero points or packed sizes do not fit its weights'
@@ -22,6 +24,7 @@ from collections.abc import Iterator
 import torch
 
 from tidal.gpu.model.quantization import QuantizedWeight
+from tidal.gpu.model.quantized_linear import Fp8Weight
 
 _PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "input_scale", "weight_global_scale",
           "input_global_scale")
@@ -41,7 +44,12 @@ class CompressedCheckpoint:
         self.symmetric = bool(weights.get("symmetric", True))
         self.format = fmt
         self.activations = activations
-        self.integers: dict[str, QuantizedWeight] = {}  # module name -> its integer weight (int schemes)
+        self.kept: dict[str, QuantizedWeight | Fp8Weight] = {}  # module name -> its kept quantized weight
+        self.keep_fp8 = False  # FP8 weights stay FP8 (a GPU with FP8) instead of being dequantized
+
+    @property
+    def keeps_fp8(self) -> bool:
+        return self.kind == "float" and self.keep_fp8
 
     @property
     def keeps_integers(self) -> bool:
@@ -106,7 +114,8 @@ class CompressedCheckpoint:
 
     def decompress(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors with each quantized module's parts replaced by its dense ``.weight``
-        (float32); for int schemes the integers are kept in ``integers`` for ``attach``."""
+        (float32); for int schemes (and FP8 with ``keep_fp8``) the quantized weights are kept in ``kept``
+        for ``attach``."""
         modules: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in tensors:
             prefix, _, part = name.rpartition(".")
@@ -128,7 +137,10 @@ class CompressedCheckpoint:
             if tuple(scale.shape) not in expected:
                 raise ValueError(f"checkpoint tensor {prefix}.weight_scale has shape {tuple(scale.shape)}, expected "
                                  f"{' or '.join(str(s) for s in sorted(expected))} ({self.describe()})")
-            return weight.float() * scale.float().reshape(-1, 1)
+            scales = scale.float().reshape(-1, 1)
+            if self.keep_fp8:
+                self.kept[prefix] = Fp8Weight(weight.to(_FP8), scales.expand(n, 1).reshape(n).contiguous())
+            return weight.float() * scales
         q = self._integers(prefix, parts)
         n, k = q.shape
         group = self.group_size if self.strategy == "group" else k
@@ -140,7 +152,7 @@ class CompressedCheckpoint:
         if not self.symmetric:
             zero_points = self._zero_points(prefix, _need(parts, prefix, "weight_zero_point"), n, groups)
         weight = QuantizedWeight(q, scale.float(), zero_points, self.bits, group)
-        self.integers[prefix] = weight
+        self.kept[prefix] = weight
         return weight.dequantize()
 
     def _integers(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -174,13 +186,13 @@ class CompressedCheckpoint:
         return zero_point.to(torch.int8)
 
     def attach(self, modules: dict) -> None:
-        """Give each of tidal's Linears (``modules``: name -> module) the integers of its checkpoint modules
-        (a fused q/k/v or gate/up Linear gets its parts stacked in order). A tensor-parallel shard takes its
-        slice of each part as of the dense weight (its ``shard``), scales and zero points with it."""
+        """Give each of tidal's Linears (``modules``: name -> module) the quantized weights of its checkpoint
+        modules (a fused q/k/v or gate/up Linear gets its parts stacked in order). A tensor-parallel shard takes
+        its slice of each part as of the dense weight (its ``shard``), scales and zero points with it."""
         from tidal.gpu.model.llama import _target
 
-        fused: dict[str, dict[int, QuantizedWeight]] = {}
-        for prefix, weight in self.integers.items():
+        fused: dict[str, dict[int, QuantizedWeight | Fp8Weight]] = {}
+        for prefix, weight in self.kept.items():
             target, part = _target(prefix + ".weight")
             fused.setdefault(target.removesuffix(".weight"), {})[part or 0] = weight
         for name, parts in fused.items():
@@ -189,12 +201,13 @@ class CompressedCheckpoint:
                 raise ValueError(f"checkpoint quantizes only some parts of {name!r}: tidal fuses them into one linear")
             module = modules[name]
             shard = getattr(module, "shard", None)
-            if shard is not None:
+            if shard is not None:  # int weights only: FP8 ones are kept on one process (the loader)
                 try:
                     parts = {i: shard("weight", parts[i], i if expected > 1 else None) for i in range(expected)}
                 except ValueError as exc:
                     raise ValueError(f"{name}: {exc}") from None
-            module.quantized = QuantizedWeight.cat([parts[i] for i in range(expected)])
+            ordered = [parts[i] for i in range(expected)]
+            module.quantized = type(ordered[0]).cat(ordered)
 
 
 def _need(parts: dict[str, torch.Tensor], prefix: str, part: str) -> torch.Tensor:

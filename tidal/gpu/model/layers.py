@@ -16,7 +16,7 @@ from torch import nn
 
 from tidal.gpu.cpu import huge_pages
 from tidal.gpu.cpu import features
-from tidal.gpu.model import quantization
+from tidal.gpu.model import quantization, quantized_linear
 
 
 def _empty_parameter(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
@@ -142,8 +142,11 @@ class Linear(nn.Module):
         self._gemv_rows: int | None = None  # with a oneDNN copy too, calls of up to this many rows run the kernel
         self.avx2_packed: torch.Tensor | None = None  # float32 model, bf16-stored weight (pack_avx2_weight)
         self._avx2 = None  # torch.ops.tidal_cpu once avx2_packed is set
-        self.quantized: quantization.QuantizedWeight | None = None  # set before pack(): int8/int4 weights
-        self.int_packed: quantization.PackedInt | None = None  # the int kernel's layout, once packed
+        # set before pack(): int8/int4 (quantization.QuantizedWeight) or FP8 (quantized_linear.Fp8Weight) weights
+        self.quantized = None
+        # once packed, the quantized weight in its device's kernel layout with .linear(x, bias): PackedInt on a
+        # CPU, quantized_linear.TritonInt or Fp8Linear on a CUDA GPU (quantized_linear.pack)
+        self.int_packed = None
 
     @classmethod
     def packed_from(cls, weight: torch.Tensor, weight_dtype: torch.dtype | None = None) -> Linear:
@@ -162,11 +165,14 @@ class Linear(nn.Module):
         """Pack the weight for this CPU's fastest path. ``weight_dtype=torch.bfloat16`` on a float32 weight:
         store it in bf16 for the AVX2 kernel (exact where the values are bf16, as from a bf16 checkpoint);
         without the kernel the weight stays float32 (then a float32 weight is left plain). A Linear given
-        ``quantized`` weights packs those for the int8/int4 kernel instead, whatever ``weight_dtype``."""
+        ``quantized`` weights packs those for its device's int8/int4/FP8 kernel instead, whatever ``weight_dtype``;
+        on a GPU any other weight stays plain."""
         if self.quantized is not None:
-            self.int_packed = quantization.PackedInt(self.quantized, quantization.int_linear_ops(self.weight.device))
+            self.int_packed = quantized_linear.pack(self.quantized, self.weight.device)
             self.quantized = self.weight = None
             return
+        if self.weight.device.type != "cpu":
+            return  # GPUs multiply the plain weight (cuBLAS)
         if self.weight.dtype == torch.float32:
             ops = avx2_linear_ops(self.weight.device) if weight_dtype == torch.bfloat16 else None
             if ops is not None:
@@ -202,7 +208,8 @@ def place_kernel_weights(linears: list[Linear]) -> None:
     decode step streams them all, and streams faster from 2 MiB pages."""
     owners = [(linear, name) for linear in linears for name in ("gemv_packed", "avx2_packed")
               if getattr(linear, name) is not None]
-    huge_pages.place(owners + [(linear.int_packed, "packed") for linear in linears if linear.int_packed is not None])
+    huge_pages.place(owners + [(linear.int_packed, "packed") for linear in linears
+                               if isinstance(linear.int_packed, quantization.PackedInt)])
 
 
 def cpu_layer_ops(dtype: torch.dtype, device: torch.device | str):

@@ -25,6 +25,7 @@ from torch import nn
 from tidal.gpu.forward_batch import ForwardBatch
 from tidal.gpu.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, place_kernel_weights
 from tidal.gpu.model.config import ModelConfig
+from tidal.gpu.model.quantization import PackedInt
 from tidal.gpu.parallel.layers import ParallelGatedMLP, VocabParallelLMHead, VocabShard, attention_projections, head_shard, vocab_parallel_embedding
 
 
@@ -217,7 +218,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(weight_dtype)
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.model.embed_tokens.device.type != "cpu":
+            self._packed_lm_head = None  # a GPU multiplies the plain table: no copy
+        elif self.config.tie_word_embeddings:
             # the embedding lookup still needs the plain table: the head gets its own packed copy
             self._packed_lm_head = Linear.packed_from(self.model.embed_tokens, weight_dtype)
         else:
@@ -240,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
         first = layers[0]
         linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
         avx2 = all(linear.avx2_packed is not None for linear in linears)
-        ints = all(linear.int_packed is not None for linear in linears)  # int8/int4 weights (csrc/linear_int.cpp)
+        ints = all(isinstance(linear.int_packed, PackedInt) for linear in linears)  # int8/int4 (csrc/linear_int.cpp)
         if not (avx2 or ints or all(linear.gemv_packed is not None for linear in linears)):
             return None
         norms = [m for layer in layers for m in layer.modules() if isinstance(m, RMSNorm)]

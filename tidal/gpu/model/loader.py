@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tidal.gpu.model import compressed, quantization, tiny_model
+from tidal.gpu.model import compressed, quantization, quantized_linear, tiny_model
 from tidal.gpu.model.layers import Linear, packs_weights
 from tidal.gpu.model.config import ModelConfig
 from tidal.gpu.model.registry import LlamaForCausalLM, model_class
@@ -44,17 +44,25 @@ def load_model(
     With ``tp`` (tensor parallelism) the model is this rank's shard, and only its slices of the
     checkpoint are read (``lazy`` safetensors slices). ``linear_weights=torch.bfloat16`` with a float32
     ``dtype``: the linear weights are stored in bf16 once loaded (``precision.Precision``, the AVX2 path).
-    ``quantize`` ("int8"/"int4", ``quantization.ON_THE_FLY``) rounds the decoder's linear weights at load;
-    a compressed-tensors checkpoint (``compressed.py``) brings its own integers and scales.
+    ``quantize`` ("int8"/"int4", ``quantization.ON_THE_FLY``; "fp8" on a CUDA GPU with FP8) rounds the decoder's
+    linear weights at load; a compressed-tensors checkpoint (``compressed.py``) brings its own integers and scales.
+    Each quantized Linear runs on its device's kernel (``quantized_linear.pack``: C++ on CPU, Triton or
+    ``torch._scaled_mm`` on CUDA).
     """
     config = ModelConfig.from_dir(model_dir)
     checkpoint = compressed.CompressedCheckpoint.read(model_dir)
     if quantize is not None and checkpoint is not None:
         raise ValueError(f"--quantization {quantize}: the checkpoint is already quantized ({checkpoint.describe()})")
-    if (quantize is not None or checkpoint is not None and checkpoint.keeps_integers) and (
-            torch.device(device).type != "cpu" or quantization.int_linear_ops(device) is None):
-        raise ValueError("int8/int4 weights run on CPU only, with the C++ kernels built (AVX2+FMA): "
-                         + (f"--quantization {quantize}" if quantize else checkpoint.describe()))
+    if quantize == "fp8" and not quantized_linear.fp8_runs_on(device):
+        raise ValueError(quantized_linear.FP8_REFUSAL)
+    if quantize == "fp8" and tp is not None:
+        raise ValueError("--quantization fp8 runs on one process (no tensor parallelism)")
+    if (quantize in quantization.ON_THE_FLY or checkpoint is not None and checkpoint.keeps_integers) and (
+            quantized_linear.int_kernel(device) is None):
+        raise ValueError("int8/int4 weights run on a CPU with the C++ kernels built (AVX2+FMA) or a CUDA GPU with "
+                         "triton: " + (f"--quantization {quantize}" if quantize else checkpoint.describe()))
+    if checkpoint is not None and tp is None and quantized_linear.fp8_runs_on(device):
+        checkpoint.keep_fp8 = True  # FP8 weights stay FP8 on a GPU that multiplies them
     model = model_class(config)(config, attention, dtype=dtype, device=device, tp=tp)
     if tiny_model.has_generated_weights(model_dir, config):
         weights = tiny_model.generate_weights(config, tiny_model.special_token_ids(model_dir), config.init_seed)
@@ -66,9 +74,11 @@ def load_model(
     model.eval()
     named_linears = [(f"model.layers.{name}", m) for name, m in model.model.layers.named_modules() if isinstance(m, Linear)]
     decoder_linears = [m for _, m in named_linears]
-    if quantize is not None:  # tensor-parallel: each rank rounds its own shard (Linear.quantize)
+    if quantize == "fp8":
+        quantized_linear.quantize_fp8_linears(decoder_linears)
+    elif quantize is not None:  # tensor-parallel: each rank rounds its own shard (Linear.quantize)
         quantization.quantize_linears(named_linears, quantization.ON_THE_FLY[quantize])
-    elif checkpoint is not None and checkpoint.keeps_integers:
+    elif checkpoint is not None and (checkpoint.keeps_integers or checkpoint.keeps_fp8):
         checkpoint.attach(dict(model.named_modules()))
     if any(linear.quantized is not None for linear in decoder_linears) or packs_weights(dtype, device, linear_weights):
         model.pack_weights(linear_weights if linear_weights != dtype else None)
@@ -90,7 +100,7 @@ def quantization_groups(model_dir: str, quantize: str | None) -> tuple[str, int]
 def quantized_weights_note(model) -> str:
     """For the ready line: "; int8 weights: 1.2 MB int + 0.5 MB dense per step" when any linear is quantized."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    schemes = sorted({f"int{m.int_packed.bits}" for m in linears if m.int_packed is not None})
+    schemes = sorted({quantized_linear.scheme_name(m.int_packed) for m in linears if m.int_packed is not None})
     if not schemes:
         return ""
     quantized, dense = quantization.weight_bytes(linears)
