@@ -3,6 +3,7 @@
     python benchmarks/gpu_decode.py [--batches 1 8 32 64 128 256] [--context 1024]
                                     [--engine-batches 1 64 256] [--engine-steps 50]
                                     [--skip-forward] [--skip-engine] [--shape 8b|tiny] [--device cuda]
+                                    [--quantization int8|int4|fp8]
 
 The model is tidal's ``LlamaForCausalLM`` (tidal/gpu/model/llama.py) with Llama-3-8B's shape
 (32 layers, hidden 4096, 32 query / 8 kv heads, intermediate 14336, vocab 128256) and random
@@ -22,6 +23,10 @@ no 16 GB checkpoint is written or read. The tokenizer is a word-level one with 1
 
 Part 1 also replays graphs captured with RMSNorm and rotary on their torch ops (what the CUDA
 model ran before they moved onto the Triton kernels), side by side in the same run.
+
+``--quantization int8|int4|fp8`` rounds the random decoder linears as ``--quantization`` does at load
+(quantized_linear: the Triton int kernel, or FP8 through ``torch._scaled_mm``); the floor then counts
+the quantized bytes (the LM head and embedding stay bf16).
 
 ``--shape tiny --device cpu`` runs the same harness on a 2-layer model on a CPU (no graphs):
 a check that the script works, not a figure.
@@ -45,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from tidal.gpu import model_runner  # noqa: E402
 from tidal.gpu.engine import Engine  # noqa: E402
 from tidal.gpu.forward_batch import ForwardBatch  # noqa: E402
-from tidal.gpu.model.layers import packs_weights# noqa: E402
+from tidal.gpu.model import quantization, quantized_linear  # noqa: E402
+from tidal.gpu.model.layers import Linear, packs_weights  # noqa: E402
 from tidal.gpu.model.config import ModelConfig# noqa: E402
 from tidal.gpu.model.registry import LlamaForCausalLM# noqa: E402
 from tidal.wire import AddRequest, EngineConfig, SamplingParams  # noqa: E402
@@ -76,6 +82,8 @@ def parse_args(argv):
                    help="skip the graph replay with RMSNorm/rotary on torch ops (the before figure)")
     p.add_argument("--shape", choices=["8b", "tiny"], default="8b")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--quantization", choices=["int8", "int4", "fp8"], default=None,
+                   help="quantize the decoder linears as --quantization does at load")
     return p.parse_args(argv)
 
 
@@ -96,8 +104,12 @@ def random_model(model_dir: str, dtype: torch.dtype, device: torch.device, atten
                  linear_weights: torch.dtype | None = None, quantize: str | None = None):
     """Stands in for ``model_loader.load_model`` (same signature): the same model class, random weights
     drawn in place."""
-    if tp is not None or quantize is not None:
-        raise ValueError("gpu_decode.py runs one rank of unquantized weights: no tensor parallelism, no quantization")
+    if tp is not None:
+        raise ValueError("gpu_decode.py runs one rank: no tensor parallelism")
+    if quantize == "fp8" and not quantized_linear.fp8_runs_on(device):
+        raise ValueError(quantized_linear.FP8_REFUSAL)
+    if quantize in ("int8", "int4") and quantized_linear.int_kernel(device) is None:
+        raise ValueError(f"--quantization {quantize}: no int kernel on {device}")
     config = ModelConfig.from_dir(model_dir)
     model = LlamaForCausalLM(config, attention, dtype=dtype, device=device)
     generator = torch.Generator(device).manual_seed(0)
@@ -108,7 +120,12 @@ def random_model(model_dir: str, dtype: torch.dtype, device: torch.device, atten
             else:
                 param.normal_(0.0, 0.02, generator=generator)
     model.eval()
-    if packs_weights(dtype, device, linear_weights):
+    named_linears = [(name, m) for name, m in model.model.layers.named_modules() if isinstance(m, Linear)]
+    if quantize == "fp8":
+        quantized_linear.quantize_fp8_linears([m for _, m in named_linears])
+    elif quantize is not None:
+        quantization.quantize_linears(named_linears, quantization.ON_THE_FLY[quantize])
+    if quantize is not None or packs_weights(dtype, device, linear_weights):
         model.pack_weights(linear_weights if linear_weights != dtype else None)
     return model, config
 
@@ -174,8 +191,10 @@ def decode_batch(batch: int, context: int, num_blocks: int, block_size: int, voc
 
 
 def weight_bytes_read(model: LlamaForCausalLM, batch: int) -> int:
-    """Bytes of weights one decode step reads: every matrix once, but only ``batch`` embedding rows."""
+    """Bytes of weights one decode step reads: every matrix once (quantized ones with their scales), but only
+    ``batch`` embedding rows."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(m.int_packed.nbytes for m in model.modules() if isinstance(m, Linear) and m.int_packed is not None)
     embed = model.model.embed_tokens
     return total - embed.numel() * embed.element_size() + batch * embed.shape[1] * embed.element_size()
 
@@ -194,7 +213,7 @@ def bench_forward(args, model_dir: str, device: torch.device, bandwidth: float) 
     start = time.perf_counter()
     runner = model_runner.ModelRunner(EngineConfig(
         model=model_dir, device=str(device), dtype="bfloat16", max_model_len=args.context + 64,
-        max_num_seqs=max_batch, block_size=block_size, num_kv_blocks=num_blocks))
+        max_num_seqs=max_batch, block_size=block_size, num_kv_blocks=num_blocks, quantization=args.quantization))
     setup_s = time.perf_counter() - start
     model, config, graphs = runner.model, runner.model_config, runner.cuda_graphs
     for k_cache, v_cache in runner.kv_caches:  # a context of random K/V, not zeros
@@ -202,7 +221,7 @@ def bench_forward(args, model_dir: str, device: torch.device, bandwidth: float) 
         v_cache.normal_()
     element = runner.dtype.itemsize
     print(f"\n1. forward only: {config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
-          f"bf16, context {args.context}, KV cache {num_blocks} blocks of {block_size} "
+          f"bf16{' + ' + args.quantization + ' decoder linears' if args.quantization else ''}, context {args.context}, KV cache {num_blocks} blocks of {block_size} "
           f"({num_blocks * 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element / 2**30:.1f} GiB); "
           f"model + cache + graphs ready in {setup_s:.1f} s")
     if graphs is not None:
@@ -315,7 +334,7 @@ def bench_engine(args, model_dir: str, device: torch.device) -> None:
         engine = Engine(EngineConfig(
             model=model_dir, device=str(device), dtype="bfloat16", max_num_seqs=max_batch,
             max_num_batched_tokens=max(2048, PROMPT_LEN * max_batch // 2), num_kv_blocks=num_blocks,
-            max_model_len=tokens_per_seq + 64, enforce_eager=eager), passes=passes)
+            max_model_len=tokens_per_seq + 64, enforce_eager=eager, quantization=args.quantization), passes=passes)
         runner = engine.runner
         next_id = 0
         for batch in args.engine_batches:

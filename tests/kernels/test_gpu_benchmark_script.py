@@ -80,3 +80,21 @@ def test_kernels_gpu_paged_batch_points_each_sequence_at_its_own_last_slot():
     for row in range(3):  # position 39 lives in the row's third block, at offset 39 % block_size
         expected = int(paged.block_tables[row, 39 // block_size]) * block_size + 39 % block_size
         assert int(paged.slot_mapping[row]) == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script runs the real benchmark")
+def test_quantized_gpu_benchmark_exits_cleanly_without_cuda():
+    result = subprocess.run([sys.executable, str(SCRIPT.parent / "quantized_gpu.py")], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "CUDA is not available" in result.stdout
+
+
+def test_quantized_gpu_check_passes_its_linears_on_this_device(capsys):
+    """The script's correctness check over small shapes: int8/int4 through the Triton kernel (the interpreter
+    on a CPU), fp8 through torch._scaled_mm (which torch 2.13 also runs on CPU)."""
+    script = load_script("quantized_gpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    script.check(device, fp8=device.type == "cpu" or torch.cuda.get_device_capability() >= (8, 9), n=40, k=256)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 * 4 and all(line.endswith(" ok") for line in lines), lines
