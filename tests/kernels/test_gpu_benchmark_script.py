@@ -98,3 +98,19 @@ def test_quantized_gpu_check_passes_its_linears_on_this_device(capsys):
     script.check(device, fp8=device.type == "cpu" or torch.cuda.get_device_capability() >= (8, 9), n=40, k=256)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 * 4 and all(line.endswith(" ok") for line in lines), lines
+
+
+def test_gpu_decode_quantizes_its_decoder_linears_on_a_cpu():
+    """--quantization int8 through the same harness (the C++ int kernel on a CPU; Triton on a GPU)."""
+    from tidal.gpu.model.quantization import int_linear_ops
+
+    if int_linear_ops("cpu") is None:
+        pytest.skip("the CPU int kernel needs AVX2+FMA and the C++ kernels built")
+    script = SCRIPT.parent / "gpu_decode.py"
+    result = subprocess.run([sys.executable, str(script), "--shape", "tiny", "--device", "cpu", "--batches", "1",
+                             "--context", "32", "--iters", "1", "--skip-engine", "--skip-torch-layers",
+                             "--quantization", "int8"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "bf16 + int8 decoder linears" in result.stdout
+    rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["1"]]
+    assert len(rows) == 1 and float(rows[0][1]) > 0, result.stdout
