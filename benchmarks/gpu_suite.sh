@@ -9,6 +9,8 @@
 #    against the measured bandwidth floor; the Engine's per-step overhead at batch 1/64/256
 # 3. benchmarks/kernels_gpu.py: the Triton kernels' correctness and bandwidth on the GPU
 # 4. tests/kernels compiled on the GPU (the conftest leaves the interpreter alone when CUDA is present)
+# 5. with QUANTIZED=1 (issue 24): benchmarks/quantized_gpu.py (int8/int4/fp8 linears against the bandwidth
+#    floor) and gpu_decode.py --quantization int4 (a decode step); QUANTIZED=only runs these alone
 # Without CUDA it says so and exits 0.
 set -u
 OUT=${OUT:-gpu_out}
@@ -36,9 +38,17 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.txt
     $PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$OUT/summary.txt"
 
-step graph_tests "${T_GRAPH_TESTS:-100}" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graphs.py
-step gpu_decode "${T_GPU_DECODE:-200}" $PY benchmarks/gpu_decode.py ${GPU_DECODE_ARGS:-}
-step kernels_gpu "${T_KERNELS_GPU:-90}" $PY benchmarks/kernels_gpu.py --contexts 1024 4096 --batches 1 16 64 256 \
-    --e2e-batches 1 32 128
-step kernel_tests "${T_KERNEL_TESTS:-100}" $PY -m pytest -q -p no:cacheprovider ${KERNEL_TEST_PATHS:-tests/kernels}
+QUANTIZED=${QUANTIZED:-0}
+if [ "$QUANTIZED" != only ]; then
+    step graph_tests "${T_GRAPH_TESTS:-100}" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graphs.py
+    step gpu_decode "${T_GPU_DECODE:-200}" $PY benchmarks/gpu_decode.py ${GPU_DECODE_ARGS:-}
+    step kernels_gpu "${T_KERNELS_GPU:-90}" $PY benchmarks/kernels_gpu.py --contexts 1024 4096 --batches 1 16 64 256 \
+        --e2e-batches 1 32 128
+    step kernel_tests "${T_KERNEL_TESTS:-100}" $PY -m pytest -q -p no:cacheprovider ${KERNEL_TEST_PATHS:-tests/kernels}
+fi
+if [ "$QUANTIZED" != 0 ]; then
+    step quantized_gpu "${T_QUANTIZED_GPU:-120}" $PY benchmarks/quantized_gpu.py
+    step gpu_decode_int4 "${T_GPU_DECODE_INT4:-150}" $PY benchmarks/gpu_decode.py --quantization int4 --skip-engine \
+        --skip-torch-layers --batches 1 8 64
+fi
 exit $status
