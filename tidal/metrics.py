@@ -19,6 +19,8 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 30
 ABORT_REASONS = ("client_disconnect", "client_cancel", "slow_client", "shutdown", "engine_error")
 REJECT_REASONS = ("queue_full", "queue_timeout", "preempted_by_priority", "shutdown")
 FINISH_REASONS = ("stop", "length")  # aborted requests are counted in requests_aborted
+# tidal:engine_aborts_freed's "steps" label, one per bucket of EngineStats.aborts_freed
+ABORT_STEP_LABELS = ("0", "1", "2", "3+")
 
 
 # (vLLM's name, the tidal gauge attribute it mirrors, help): the gauges the Gateway API Inference
@@ -86,6 +88,14 @@ class Metrics:
         # a counter (exposed as tidal:engine_steps_total): it only grows, so rate() gives steps per second
         self.engine_steps = Counter("tidal:engine_steps", "Engine steps run so far.", labels, registry=r)
         self._engine_steps_seen = 0
+        # the cancellation guarantee, measured where it is kept (docs/cancellation.md): each abort that
+        # freed a live request, by engine steps from its arrival in the engine to the report showing
+        # its blocks free; "2" and "3+" stay at 0
+        self.engine_aborts_freed = Counter(
+            "tidal:engine_aborts_freed", "Aborts that freed a request's KV blocks, by engine steps from the "
+            "abort's arrival in the engine to the step report that showed the blocks free.", labels + ["steps"],
+            registry=r)
+        self._engine_aborts_freed_seen = [0] * len(ABORT_STEP_LABELS)
         self.frontend_requests = Gauge("tidal:frontend_requests_active",
                                        "Requests with state in the frontend.", labels, registry=r)
         # what a client sees (docs/metrics.md): from the request's first byte read to its first content
@@ -178,6 +188,7 @@ class Metrics:
         self.prompt_tokens_m = self.prompt_tokens.labels(m)
         self.coalesced_m = self.coalesced_chunks.labels(m)
         self.engine_steps_m = self.engine_steps.labels(m)
+        self.engine_aborts_freed_m = [self.engine_aborts_freed.labels(m, steps) for steps in ABORT_STEP_LABELS]
         self.model_name = m
 
     def render(self, stats, num_frontend_requests: int, replicas=()) -> bytes:
@@ -207,6 +218,9 @@ class Metrics:
         # restarted replica counts from 0 again: the steps before its first report after it are not seen
         self.engine_steps_m.inc(max(0, stats.step - self._engine_steps_seen))
         self._engine_steps_seen = stats.step
+        for i, (counter, count) in enumerate(zip(self.engine_aborts_freed_m, stats.aborts_freed)):
+            counter.inc(max(0, count - self._engine_aborts_freed_seen[i]))  # as the steps: a restart counts anew
+            self._engine_aborts_freed_seen[i] = count
         self.frontend_requests.labels(m).set(num_frontend_requests)
         if self.vllm_gauges:  # the same values as tidal's own gauges just set
             values = {"num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,

@@ -137,6 +137,7 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     """Abort these requests. Unknown or already-finished ids are a no-op."""
 
     request_ids: list[int]
+    received_step: int = -1  # the engine's step count when its reader thread decoded it (set there)
 
 
 class Ping(msgspec.Struct, tag="ping", array_like=True):
@@ -154,6 +155,9 @@ ToEngine = Union[AddRequest, AbortRequests, Ping, Shutdown]
 # ---------------------------------------------------------------- engine -> frontend
 
 
+ABORT_STEP_BUCKETS = 4  # EngineStats.aborts_freed: 0, 1, 2, 3 or more steps
+
+
 class EngineStats(msgspec.Struct, array_like=True):
     step: int = 0
     num_running: int = 0
@@ -163,6 +167,10 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_cached_blocks: int = 0  # blocks holding a reusable prefix (free or not)
     num_prefix_hit_tokens: int = 0  # cumulative
     num_preemptions: int = 0  # cumulative
+    # cumulative: aborts that freed a live request, by engine steps from the abort's arrival to the
+    # report that showed its blocks free ([0, 1, 2, 3 or more]); the guarantee is that only the
+    # first two ever grow (docs/cancellation.md)
+    aborts_freed: list[int] = msgspec.field(default_factory=lambda: [0] * ABORT_STEP_BUCKETS)
 
 
 class Logprobs(msgspec.Struct, array_like=True):

@@ -73,6 +73,12 @@ def aborted(m: dict[str, float], reason: str) -> float:
     return labelled(m, "tidal:requests_aborted_total", reason=reason)
 
 
+def aborts_freed(m: dict[str, float], steps: str) -> float:
+    """Aborts whose blocks the engine freed ``steps`` ("0", "1", "2", "3+") steps after the abort
+    arrived there: the guarantee as the engine keeps it (docs/cancellation.md)."""
+    return labelled(m, "tidal:engine_aborts_freed_total", steps=steps)
+
+
 def all_aborts(m: dict[str, float]) -> float:
     return sum(v for k, v in m.items() if k.startswith("tidal:requests_aborted_total{"))
 

@@ -2,6 +2,24 @@
 
 Server: defaults (``--max-num-seqs 256``, ``--max-queued-requests 256``, so all 200 are
 admitted and run in one batch), ``--min-step-time 0.05``.
+
+What the step bound measures. The guarantee is the engine's: an abort's blocks are free at most
+one step after the abort *arrives in the engine* (docs/cancellation.md). With one request the
+frontend's share (disconnect -> cancel -> scope exit -> abort frame) is about a millisecond, so
+the client-side step clock of test_cancel_disconnect (``S_f - S_d <= 1``, ``S_d`` scraped right
+after the close) measures the guarantee. Here it does not: the frontend must unwind 200 handlers
+and their connections before the last abort frame leaves, and on the shared 2-core host that
+takes 0.5-2.4 s (load average 10-13), while a step is 0.05 s (0.3-0.6 s with 200 sequences on
+that host); the ``S_d`` scrape itself is served somewhere inside that unwinding. So ``S_f - S_d``
+counted the frontend's CPU share in engine steps (1-3, on this tree and the previous round's
+alike; 8 with a profiler attached) and failed the old bound of 2 under whole-suite load without
+any abort being slow in the engine (docs/cancellation.md, "What the guarantee is, exactly").
+The engine therefore stamps each abort with its step count on arrival and counts, when the
+report that shows the blocks free goes out, how many steps that was
+(``tidal:engine_aborts_freed_total{steps=...}``): all 200 must be in "0" or "1". An engine that
+kept a cancelled request's blocks for two or more steps after the abort arrived puts it in "2"
+or "3+" and fails this test, however fast or slow the frontend was. The frontend's share is
+bounded in wall-clock time (``wait_blocks_free``'s 10 s) and reported; ``S_f - S_d`` is printed.
 """
 
 from __future__ import annotations
@@ -13,6 +31,7 @@ import trio
 
 from cancel_helpers import (
     aborted,
+    aborts_freed,
     completion_body,
     post_bytes,
     scrape,
@@ -63,14 +82,15 @@ async def test_abort_storm(wide_server):
             sock.close()
     m_f, _ = wait_blocks_free(server)
     seconds = time.monotonic() - closed_at
-    print(f"abort storm: {NUM_CLIENTS} requests, S_f - S_d = {steps(m_f) - steps(m_d)}, "
-          f"blocks free {seconds * 1000:.0f} ms after the closes at {STEP} s/step")
-    # S_d, S_f as in test_cancel_disconnect. The 200 aborts reach the engine within a few
-    # ms, but may straddle the mid-step drain of step S_d + 1: the ones that missed it
-    # are found at the top of the loop; if some requests were freed by then the rest are
-    # too, and the engine reports at once (still S_d + 1). Only if the last aborts arrive
-    # after the engine already scheduled step S_d + 2 does that step free them: <= 2.
-    assert steps(m_f) - steps(m_d) <= 2
+    freed = {n: aborts_freed(m_f, n) - aborts_freed(m0, n) for n in ("0", "1", "2", "3+")}
+    print(f"abort storm: {NUM_CLIENTS} requests, engine steps from each abort's arrival to its blocks "
+          f"free: {freed}; client step clock S_f - S_d = {steps(m_f) - steps(m_d)}; blocks free "
+          f"{seconds * 1000:.0f} ms after the closes at {STEP} s/step")
+    # Every abort freed a running request, and each within one step of reaching the engine (see the
+    # module docstring). "0": it arrived after the step count moved, and the launch of the next
+    # pass freed it; "1": it arrived during a pass and that pass's abort window freed it.
+    assert sum(freed.values()) == NUM_CLIENTS, freed
+    assert freed["2"] == freed["3+"] == 0, freed
 
     # still healthy and serving
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:

@@ -16,7 +16,7 @@ import torch
 
 from hf_models import make_hf_model
 from tidal.gpu.engine import Engine
-from tidal.wire import AddRequest, EngineConfig, SamplingParams
+from tidal.wire import AbortRequests, AddRequest, EngineConfig, SamplingParams
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
@@ -107,7 +107,7 @@ def test_abort_mid_step_frees_blocks_and_drops_the_token(model_dir, passes):
     engine.take_report()
     # an abort that arrives while the forward pass runs (as the pipe reader hands it over) is
     # applied between the pass and the booking of its outputs
-    engine.late_aborts.append([1, 999])  # 999: unknown id is a no-op
+    engine.abort_arrived(AbortRequests([1, 999]))  # 999: unknown id is a no-op
     engine.step()
     report = engine.take_report()
     assert 1 in report.finished
@@ -115,8 +115,38 @@ def test_abort_mid_step_frees_blocks_and_drops_the_token(model_dir, passes):
     assert [o.request_id for o in report.outputs] == [2]
     remaining = engine.sequences[2]
     assert engine.block_manager.num_used_blocks == len(remaining.block_table)
+    # arrived while step 1's report was the last (step 1), freed in step 2's report: one step
+    assert engine.stats().aborts_freed == [0, 1, 0, 0]
     engine.abort([1, 2])  # finished and live: both fine
     assert engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("passes", ["deferred", "thread", "launched"])
+def test_abort_during_the_commit_never_enters_the_next_pass(model_dir, passes):
+    """An abort that arrives after the step's abort window, while it commits, is applied before the
+    next pass launches: that pass never carries the request, its blocks are free in this step's
+    report, and the token the commit booked for it is dropped."""
+    engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=32, block_size=8),
+                    passes=passes)
+    engine.add_request(AddRequest(1, list(range(10, 30)), greedy(50), 0, 0.0))
+    engine.add_request(AddRequest(2, list(range(40, 50)), greedy(50), 0, 0.0))
+    engine.step()
+    engine.take_report()
+    commit = engine.scheduler.commit
+
+    def commit_then_abort_arrives(*args):
+        appended = commit(*args)
+        engine.abort_arrived(AbortRequests([1]))  # as the pipe reader thread would, mid-commit
+        return appended
+
+    engine.scheduler.commit = commit_then_abort_arrives
+    engine.step()
+    engine.scheduler.commit = commit
+    report = engine.take_report()
+    assert 1 in report.finished and [o.request_id for o in report.outputs] == [2]
+    assert [seq.request_id for seq, _ in engine._in_flight.batch.entries] == [2], "the next pass carries it"
+    assert engine.block_manager.num_used_blocks == len(engine.sequences[2].block_table)
+    assert report.stats.aborts_freed == [0, 1, 0, 0]
 
 
 @pytest.mark.parametrize("passes", ["deferred", "thread", "launched"])

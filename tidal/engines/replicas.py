@@ -128,6 +128,7 @@ class ReplicaSet:
             for name in ("num_running", "num_waiting", "num_total_blocks", "num_used_blocks",
                          "num_cached_blocks", "num_prefix_hit_tokens", "num_preemptions"):
                 setattr(total, name, getattr(total, name) + getattr(s, name))
+            total.aborts_freed = [a + b for a, b in zip(total.aborts_freed, s.aborts_freed)]
         return total
 
     def snapshot(self) -> list[tuple[int, bool, EngineStats, int]]:

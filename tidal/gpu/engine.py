@@ -2,6 +2,7 @@
 
 One step is::
 
+    apply_late_aborts()                        # last call: no pass starts with an aborted request
     batch  = scheduler.schedule()              # who runs, how many tokens each
     tokens = forward(batch)                    # one pass over the paged cache, one token per sampler
                                                # (logprobs captured and grammar masks applied here)
@@ -10,7 +11,12 @@ One step is::
                                                # stops, free what finished
     emit(...)                                  # detokenize, one RequestOutput per new token
 
-``step()`` launches the next step's forward right after the commit, before emitting. Where
+``step()`` launches the next step's forward right after the commit, before emitting.
+
+An abort is applied at whichever of the two abort calls comes first after it arrived, so a request
+is in no pass launched after its abort arrived, and its blocks are free when the pass in flight at
+its arrival ends: at most one step later by the step count (``stats().aborts_freed`` counts each
+abort by that distance, docs/cancellation.md). Where
 the device computes on its own (CUDA, tidal-test) the pass runs on a thread, so building and
 sending one step's outputs overlaps the next step's pass, and only abort window + commit +
 schedule run between two passes. On a CPU the pass is deferred to the step loop's own thread
@@ -43,8 +49,9 @@ from tidal.gpu.sampler import Sampler, SamplingBatch, make_generator
 from tidal.gpu.scheduler import ScheduledBatch, Scheduler
 from tidal.gpu.sequence import Sequence
 from tidal.gpu.model.synthetic_model import SyntheticModel
-from tidal.wire import (AddRequest, EngineConfig, EngineStats, EngineTiming, FinishReason, Logprobs, Ready,
-                        RequestOutput, StepReport)
+from tidal.gpu.sequence import SequenceStatus
+from tidal.wire import (ABORT_STEP_BUCKETS, AbortRequests, AddRequest, EngineConfig, EngineStats, EngineTiming,
+                        FinishReason, Logprobs, Ready, RequestOutput, StepReport)
 
 log = logging.getLogger("tidal.engine")
 
@@ -78,9 +85,14 @@ class Engine:
         self._outputs: list[RequestOutput] = []
         self._finished: list[int] = []
         self._dirty = False
-        # ids whose abort arrived while a forward pass ran: the pipe reader thread appends
-        # them (deque appends are thread-safe) and the step applies them in its abort window
-        self.late_aborts: collections.deque[list[int]] = collections.deque()
+        # aborts not yet applied, as they arrive: the pipe reader thread appends them
+        # (``abort_arrived``; deque appends are thread-safe) and the step applies them in its abort
+        # calls, mid-step, without waiting for the process loop's next drain
+        self.late_aborts: collections.deque[AbortRequests] = collections.deque()
+        # the step count at the arrival of each abort applied since the last report, and the
+        # cumulative count of aborts by steps from arrival to the report showing them free
+        self._aborts_applied: list[int] = []
+        self.aborts_freed = [0] * ABORT_STEP_BUCKETS
         # Where forward passes run (at most one is in flight). On CUDA kernel launches return at
         # once: the step loop launches the pass itself and waits on the device only when it wants
         # the tokens, so emitting the last step overlaps the pass with no thread and no GIL hand-off.
@@ -142,18 +154,27 @@ class Engine:
         self.scheduler.add(seq, parent=self.sequences.get(msg.fork_of) if msg.fork_of is not None else None)
         self._dirty = True
 
-    def abort(self, request_ids: list[int]) -> None:
+    def abort_arrived(self, message: AbortRequests) -> None:
+        """The pipe reader thread decoded an abort: stamp its arrival step, hand it to the step in flight."""
+        message.received_step = self.num_steps
+        self.late_aborts.append(message)
+
+    def abort(self, request_ids: list[int], received_step: int = -1) -> None:
         """Free the requests' KV blocks now. Unknown or finished ids are a no-op.
 
         A forward pass in flight may still write the blocks: wait for it to end first (its
-        tokens for the aborted requests are then dropped by the commit).
+        tokens for the aborted requests are then dropped by the commit). ``received_step``: the
+        step count when the abort arrived (``abort_arrived``), to count how long it took; -1: not counted.
         """
         if self._in_flight is not None:
             self._in_flight.tokens.result()
         for request_id in request_ids:
             seq = self.sequences.get(request_id)
-            if seq is not None:
+            # FINISHED and still here: it ended in this step's commit; its final output goes out as is
+            if seq is not None and seq.status is not SequenceStatus.FINISHED:
                 self._finish(seq, "abort", emit_output=False)
+                if received_step >= 0:
+                    self._aborts_applied.append(received_step)
 
     def has_work(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_work()
@@ -174,12 +195,16 @@ class Engine:
         sampled_at = time.monotonic()  # one stamp per step: the first-token stamp of who got theirs now
         self._apply_late_aborts()  # the abort window: the pass is over, its outputs not yet booked
         appended = self.scheduler.commit(in_flight.batch, tokens, failures)  # commit
+        self.num_steps += 1  # an abort arriving from here on is applied by the launch, else by the next step
         self._in_flight = self._launch()  # the next step's forward starts now ...
         self._emit_step(appended, logprobs, sampled_at)  # ... and runs while this one's outputs are built
         return True
 
     def _launch(self) -> InFlight | None:
         """Schedule a batch and launch its forward pass (``self._passes`` decides where it runs)."""
+        # aborts that arrived since the abort window (during the commit) are applied now, so the
+        # pass about to start never carries a request whose abort is here
+        self._apply_late_aborts()
         batch = self.scheduler.schedule()
         for seq in batch.refused:
             self._emit(seq)
@@ -237,19 +262,22 @@ class Engine:
         return self._sampling
 
     def _apply_late_aborts(self) -> None:
-        """Abort the requests whose abort arrived while the forward pass ran.
+        """Abort the requests whose abort arrived since the last call (mid-forward, or during the commit).
 
         An id the engine does not know yet (its AddRequest is still in the inbox) is left to
         the in-order path: the process loop handles that abort after the add.
         """
         while self.late_aborts:
-            self.abort(self.late_aborts.popleft())
+            message = self.late_aborts.popleft()
+            self.abort(message.request_ids, message.received_step)
 
     def _emit_step(self, appended: list[Sequence], logprobs: dict[int, Logprobs], sampled_at: float = 0.0) -> None:
-        """The outputs of a committed step (``sampled_at``: when its tokens were read back)."""
-        self.num_steps += 1
+        """The outputs of a committed step (``sampled_at``: when its tokens were read back). A sequence
+        aborted since the commit (by the launch's abort call) is gone: its token is dropped."""
+        sequences = self.sequences
         for seq in appended:
-            self._emit(seq, logprobs.get(seq.request_id), sampled_at)
+            if seq.request_id in sequences:
+                self._emit(seq, logprobs.get(seq.request_id), sampled_at)
         self._dirty = True
 
     def _emit(self, seq: Sequence, logprobs: Logprobs | None = None, sampled_at: float = 0.0) -> None:
@@ -303,12 +331,18 @@ class Engine:
             num_cached_blocks=bm.num_cached_blocks,
             num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            aborts_freed=list(self.aborts_freed),
         )
 
     def take_report(self) -> StepReport | None:
         """Everything that changed since the last report, or None."""
         if not self._dirty:
             return None
+        # this report is the first to show the blocks of the aborts applied since the last one free
+        last = ABORT_STEP_BUCKETS - 1
+        for received_step in self._aborts_applied:
+            self.aborts_freed[min(self.num_steps - received_step, last)] += 1
+        self._aborts_applied.clear()
         report = StepReport(self._started, self._outputs, self._finished, self.stats())
         self._started, self._outputs, self._finished = [], [], []
         self._dirty = False

@@ -1,7 +1,7 @@
 """The engine's side of the pipes: one reader thread, one writer thread.
 
 The step loop never blocks on I/O. The reader thread decodes frames into an inbox the
-loop drains between steps, and hands abort ids straight to the engine's ``late_aborts``
+loop drains between steps, and hands each abort straight to the engine (``on_abort``)
 (applied in the middle of a step). A step report goes out from the step loop itself when
 the writer thread is idle and the pipe takes the whole frame (a non-blocking write: no
 thread hand-off per step); otherwise the writer thread sends it, and while it is busy (the
@@ -11,12 +11,12 @@ request by request, so nothing is dropped and the loop never waits.
 
 from __future__ import annotations
 
-import collections
 import os
 import queue
 import select
 import threading
 import time
+from collections.abc import Callable
 
 from tidal.wire import (
     HEADER_SIZE,
@@ -58,11 +58,11 @@ INBOX_MAX_MESSAGES = 65536
 class Inbox:
     """Frames from the frontend, decoded by a daemon thread."""
 
-    def __init__(self, fd: int, late_aborts: collections.deque[list[int]] | None = None):
+    def __init__(self, fd: int, on_abort: Callable[[AbortRequests], None] | None = None):
         self._fd = fd
         self._queue: queue.Queue[ToEngine] = queue.Queue(INBOX_MAX_MESSAGES)
         # an abort also goes here at once, for the step in flight (the queued copy keeps order)
-        self._late_aborts = late_aborts
+        self._on_abort = on_abort
         self._thread = threading.Thread(target=self._run, name="tidal-engine-reader", daemon=True)
         self._thread.start()
 
@@ -77,8 +77,8 @@ class Inbox:
                     message = decode_to_engine(body)
                     if type(message) is AddRequest:
                         message.received_at = time.monotonic()  # the request's "engine_received" stamp
-                    elif self._late_aborts is not None and isinstance(message, AbortRequests):
-                        self._late_aborts.append(message.request_ids)
+                    elif self._on_abort is not None and isinstance(message, AbortRequests):
+                        self._on_abort(message)  # stamped there, before the queued copy can be handled
                     self._queue.put(message)
         except OSError:
             pass

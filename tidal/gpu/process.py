@@ -1,9 +1,10 @@
 """The engine process's main loop: drain the inbox, step, send the report. Nothing else.
 
 Messages are handled in order between steps. Aborts also reach the step directly: the
-inbox's reader thread hands their ids to ``engine.late_aborts`` as they arrive, and the step
-applies them between the forward pass and the booking of its outputs, so an abort that
-arrives mid-forward frees the request's KV blocks in that same step.
+inbox's reader thread hands each to ``engine.abort_arrived`` as it arrives, and the step
+applies them between the forward pass and the booking of its outputs (and again before it
+launches the next pass), so an abort that arrives mid-forward frees the request's KV blocks in
+that same step.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def run_engine_process(in_fd: int, out_fd: int) -> int:
         return 1
     if engine.runner.tp is not None:  # a tensor-parallel rank that exits fails the engine at once, busy or idle
         engine.runner.tp.on_rank_death = lambda why: _fail_now(outbox, why)
-    inbox = Inbox(in_fd, late_aborts=engine.late_aborts)
+    inbox = Inbox(in_fd, on_abort=engine.abort_arrived)
     outbox.put_control(engine.ready_message())
     try:
         _loop(engine, inbox, outbox)
@@ -105,7 +106,7 @@ def _loop(engine, inbox, outbox) -> None:
         if isinstance(message, AddRequest):
             engine.add_request(message)
         elif isinstance(message, AbortRequests):
-            engine.abort(message.request_ids)
+            engine.abort(message.request_ids, message.received_step)
         elif isinstance(message, Ping):
             outbox.put_control(Pong(message.nonce, engine.stats()))
         elif isinstance(message, Shutdown):
