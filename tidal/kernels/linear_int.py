@@ -173,7 +173,9 @@ def linear_int(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = N
     m = rows.shape[0]
     out = torch.empty((m, weight.n), dtype=x.dtype, device=x.device)
     if m:
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        dot_in_fp32 = x.dtype == torch.float32 or (_INTERPRETED and x.dtype == torch.bfloat16)
+        # 32 rows at most: 64 spill registers on sm_89/sm_90 (ptxas, tests/kernels/test_linear_int_compiles.py)
+        block_m = 16 if m <= 16 or x.dtype == torch.float32 else 32
         n_padded = weight.scales.shape[1]
         grid = (n_padded // BLOCK_N, triton.cdiv(m, block_m))
         _linear_int_kernel[grid](
@@ -182,7 +184,7 @@ def linear_int(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = N
             rows.stride(0), out.stride(0), weight.group_size,
             BITS=weight.bits, HAS_ZERO=weight.zero_points is not None, HAS_BIAS=bias is not None,
             SCALE_PER_TILE=weight.scale_per_tile,
-            DOT_IN_FP32=x.dtype == torch.float32 or (_INTERPRETED and x.dtype == torch.bfloat16),
+            DOT_IN_FP32=dot_in_fp32,
             BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=weight.block_k, num_warps=4)
     return out.view(*x.shape[:-1], weight.n)
 
