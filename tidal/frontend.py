@@ -13,10 +13,12 @@ leaves the reader its last word in the mailbox: the final output, one with finis
 
 A handler never ends a request itself. Every HTTP request and WebSocket connection (and each
 request multiplexed on one) runs inside a ``RequestScope`` (``open_request_scope``; the ASGI
-wrapper ``request_scope_middleware``) whose exit is the one place ``close`` is called: it
-aborts every request opened in the scope that is not over yet, so no request outlives the task
-that opened it, even if the handler is cancelled before its response body ever starts.
-``close`` is synchronous (``abort_nowait``), so it works from a cancelled scope, and idempotent.
+wrapper ``request_scope_middleware``) whose ``RequestScope.close`` is the one place ``close`` is
+called: at the scope's exit it aborts every request opened in the scope that is not over yet, so no
+request outlives the task that opened it, even if the handler is cancelled before its response body
+ever starts. The completion routes call it as soon as the client's disconnect arrives, before the
+handler unwinds, so a disconnect's first act is its abort. ``close`` is synchronous
+(``abort_nowait``), so it works from a cancelled scope, and idempotent.
 """
 
 from __future__ import annotations
@@ -71,11 +73,27 @@ def engine_unavailable(why: str) -> ApiError:
 class RequestScope:
     """The requests one handler opened, and why those still live at its exit end."""
 
-    __slots__ = ("opened", "close_reason")
+    __slots__ = ("frontend", "opened", "close_reason")
 
-    def __init__(self) -> None:
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
         self.opened: list[ActiveRequest] = []
         self.close_reason = "client_disconnect"  # a WebSocket "cancel" makes it "client_cancel"
+
+    def close(self) -> None:
+        """End every request opened here that is not over (the one caller of ``Frontend.close``).
+
+        Called at the scope's exit, and earlier by whoever knows the client is gone before the
+        handler has unwound (``completion_route._cancel_on_disconnect``): the abort is then the
+        first thing a disconnect does, not something that waits for the handler's and other
+        requests' unwinding. Idempotent: a request ends once."""
+        for request in self.opened:
+            self.frontend.close(request, self.close_reason)
+
+
+def current_request_scope() -> RequestScope | None:
+    """The innermost RequestScope of the calling task (tasks started inside a scope share it)."""
+    return _scope.get()
 
 
 _scope: contextvars.ContextVar[RequestScope | None] = contextvars.ContextVar("tidal_scope", default=None)
@@ -83,16 +101,15 @@ _scope: contextvars.ContextVar[RequestScope | None] = contextvars.ContextVar("ti
 
 @contextlib.contextmanager
 def open_request_scope(frontend: Frontend) -> Iterator[RequestScope]:
-    """Every request ``open_request`` admits inside the block is closed when it exits (the one
-    caller of ``Frontend.close``). Scopes nest: a request belongs to the innermost."""
-    requests = RequestScope()
+    """Every request ``open_request`` admits inside the block is closed when it exits, if it is not
+    over before (``RequestScope.close``). Scopes nest: a request belongs to the innermost."""
+    requests = RequestScope(frontend)
     token = _scope.set(requests)
     try:
         yield requests
     finally:
         _scope.reset(token)
-        for request in requests.opened:
-            frontend.close(request, requests.close_reason)
+        requests.close()
 
 
 def request_scope_middleware(app, frontend_getter: Callable[[], Frontend]):
@@ -328,7 +345,8 @@ class Frontend:
         request.mailbox.close(ending, discard)
 
     def close(self, request: ActiveRequest, reason: str = "client_disconnect") -> None:
-        """The handler's scope is over (``open_request_scope``): abort the request unless it is over."""
+        """The handler's scope is over, or its client is gone (``RequestScope.close``): abort the
+        request unless it is over, then publish its timeline. The abort goes first."""
         self._end(request, RequestState.ABORTED, reason, self.metrics.aborted, None)
         self.recorder.finish(request)
 
