@@ -1,13 +1,14 @@
-"""Decode step at batch 1: the anchor model in bf16 against int8 and int4 weights, side by side in one run.
+"""Decode step: the anchor model in bf16 against int8 and int4 weights (float or int8 activations), side by side.
 
     python benchmarks/quantized_decode.py [--model-dir DIR] [--size small] [--batches 1] [--steps 40]
+                                          [--modes bf16,int8,int4,w8a8,w4a8]
                                           [--rounds 3] [--threads 2] [--clock wall|cpu]
                                           [--anchors ../shared/anchors]
 
 Makes the anchor model with ``../shared/anchors/make_tiny_model.py DIR --size small`` (bf16 weights) unless
 DIR holds one, loads it the way the engine does (``--dtype auto``: on a CPU without native bf16, float32
-activations over bf16-stored linear weights; with native bf16, bf16) three times: as is, with
-``--quantization int8`` and with ``--quantization int4``, and times ``model(batch)`` plus ``compute_logits``
+activations over bf16-stored linear weights; with native bf16, bf16) once per ``--modes`` row: as is
+and with each ``--quantization`` (int8, int4: float activations; w8a8, w4a8: int8 activations), and times ``model(batch)`` plus ``compute_logits``
 for one decode token per sequence at ``--context`` cached tokens. Rows are repeated ``--rounds`` times,
 interleaved, and the median is reported. The floor is the bytes the step reads in linear weights (integers,
 scales, offsets; the dense LM head) over the host's read bandwidth, measured in the same run (a sum over a
@@ -58,6 +59,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this process's CPU time (with --threads 1 it shrugs off a busy machine)")
+    ap.add_argument("--modes", default="bf16,int8,int4,w8a8,w4a8",
+                    help="rows after bf16 (always first): --quantization names, or 'bf16, python layers'")
     ap.add_argument("--anchors", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "anchors"),
                     help="the directory of make_tiny_model.py (default: ../shared/anchors from the checkout)")
     args = ap.parse_args()
@@ -75,8 +78,10 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.2f}\n")
 
     models = {}
-    for label, quantize, stack in (("bf16", None, "1"), ("bf16, python layers", None, "0"),
-                                   ("int8", "int8", "1"), ("int4", "int4", "1")):
+    rows = {"bf16": (None, "1"), "bf16, python layers": (None, "0"),
+            **{name: (name, "1") for name in quantization.ON_THE_FLY}}
+    for label in ["bf16", *(m for m in args.modes.split(",") if m != "bf16")]:
+        quantize, stack = rows[label]
         os.environ["TIDAL_CPU_STACK"] = stack
         model, config = load_model(model_dir, precision.dtype, torch.device("cpu"), TorchPagedAttention("cpu"),
                                    linear_weights=precision.linear_weights, quantize=quantize)

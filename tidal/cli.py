@@ -36,10 +36,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="Weights and activations dtype. auto: bfloat16 on CUDA and on CPUs with native bf16 "
                         "(avx512_bf16 or amx_bf16), float32 on other CPUs; the engine-ready log line says which.")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
+    g.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8", "w4a8", "fp8"],
                    help="Quantize a full-precision checkpoint's linear weights at load: int8 (one scale per "
                         "output channel) or int4 (one per 128 inputs), read 2x / ~4x fewer bytes per decode step "
-                        "than bf16 (CPU: C++ kernel; CUDA: Triton kernel); fp8 (CUDA GPUs with FP8, compute "
+                        "than bf16 (CPU: C++ kernel; CUDA: Triton kernel); w8a8 / w4a8 (CPU): the same weights "
+                        "with each step's activations rounded to int8 (blocks of 32, llama.cpp's Q8_0/Q4_0 "
+                        "arithmetic): integer math, fastest on AVX2 CPUs; fp8 (CUDA GPUs with FP8, compute "
                         "capability 8.9+: FP8 weights per channel, activations per token, torch._scaled_mm). "
                         "Quantized (compressed-tensors) checkpoints need no flag.")
     g.add_argument("--max-model-len", type=int, default=None,

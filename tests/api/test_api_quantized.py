@@ -42,12 +42,14 @@ def test_a_w4a16_checkpoint_serves_transformers_greedy_tokens(w4a16_dir):
     assert len(set(expected)) > 1
 
 
-def test_quantization_at_load_is_on_the_ready_line():
-    with LiveServer("--model", "tidal-tiny", "--quantization", "int8", "--num-kv-blocks", "64") as server:
+@pytest.mark.parametrize("scheme", ["int8", "w4a8"])
+def test_quantization_at_load_is_on_the_ready_line(scheme):
+    with LiveServer("--model", "tidal-tiny", "--quantization", scheme, "--num-kv-blocks", "64") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
         completion = client.completions.create(model="tidal-tiny", prompt="Hello", max_tokens=4, temperature=0)
         assert completion.choices[0].finish_reason in ("length", "stop")
-        assert "int8 weights:" in server.log()
+        assert completion.usage.completion_tokens == 4 or completion.choices[0].finish_reason == "stop"
+        assert f"{scheme} weights:" in server.log()
 
 
 def test_quantizing_an_already_quantized_checkpoint_stops_the_start(w4a16_dir):

@@ -5,7 +5,7 @@ a prefill beside a decode, then decodes) on their own caches: every step's logit
 cache block must be equal, and the decode steps must not run the Python layers at all. Covered for each
 architecture switch the stack reads (q/k/v bias and tied embeddings: qwen2; q/k norms: qwen3) and for both
 linears it drives (bf16 on AVX512-BF16; float32 on bf16-stored weights, the AVX2 path; float32 on int8 and
-int4 weights).
+int4 weights, with float or int8 activations).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tidal.gpu.model.attention import TorchPagedAttention
 from tidal.gpu.model.layers import avx2_linear_ops, gemv_ops
 from tidal.gpu.model.loader import load_model
 from tidal.gpu.model.llama import LlamaDecoderLayer
-from tidal.gpu.model.quantization import int_linear_ops
+from tidal.gpu.model.quantization import ON_THE_FLY, int_linear_ops
 
 CPU = torch.device("cpu")
 # head_dim 32: the bf16 attention kernel's own path, which takes prefill rows too (so mixed steps use the stack)
@@ -30,6 +30,9 @@ LINEARS = {
     # --quantization: float32 activations on int8/int4 weights (csrc/linear_int.cpp)
     "int8": (torch.float32, None, int_linear_ops(CPU) is not None),
     "int4": (torch.float32, None, int_linear_ops(CPU) is not None),
+    # and with int8 activations (csrc/linear_int_a8.cpp)
+    "w8a8": (torch.float32, None, int_linear_ops(CPU) is not None),
+    "w4a8": (torch.float32, None, int_linear_ops(CPU) is not None),
 }
 
 
@@ -38,7 +41,7 @@ def load(model_dir: str, linears: str, monkeypatch, stack: bool):
     with monkeypatch.context() as env:
         env.setenv("TIDAL_CPU_STACK", "1" if stack else "0")
         model, config = load_model(model_dir, dtype, CPU, TorchPagedAttention(CPU), linear_weights=linear_weights,
-                                   quantize=linears if linears.startswith("int") else None)
+                                   quantize=linears if linears in ON_THE_FLY else None)
     return model, config, dtype
 
 

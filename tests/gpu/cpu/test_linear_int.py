@@ -80,4 +80,4 @@ def test_quantize_rounds_to_the_nearest_step():
 def test_a_wrong_shape_is_refused(ops):
     weight = PackedInt(quantize(torch.randn(16, 64), Scheme(8, None)), ops)
     with pytest.raises(RuntimeError, match="packed weight has shape"):
-        ops.linear_int(torch.randn(1, 32), weight.packed, weight.scales, None, 16, 8, 32, None)
+        ops.linear_int(torch.randn(1, 32), weight.packed, weight.scales, None, 16, 8, 32, 16, None)

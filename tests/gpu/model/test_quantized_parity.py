@@ -1,7 +1,8 @@
 """Quantized models compute what their weights say: tidal (float32 activations, int8/int4 kernel or FP8
 dequantized at load) against transformers over the dequantized weights, logits within 1e-3 and the same
 greedy tokens; for compressed-tensors checkpoints (made with compressed-tensors' own compressors, the
-reference decompressed by compressed-tensors) and for --quantization int8/int4 on a dense checkpoint.
+reference decompressed by compressed-tensors) and for --quantization int8/int4 on a dense checkpoint; w8a8/w4a8
+against the same reference with each projection's input rounded to int8 blocks as the kernel rounds it.
 Inconsistent or unsupported checkpoints fail to load with a message naming the tensor or the scheme."""
 
 from __future__ import annotations
@@ -130,6 +131,41 @@ def test_quantization_at_load_matches_transformers_on_the_rounded_weights(dense_
     model, config = load(dense_dir("qwen2"), scheme)
     assert len(int_linears(model)) == 8
     assert_matches_transformers(model, config, str(tmp_path))
+
+
+def round_activations_to_int8_blocks(module, args):
+    """A forward pre-hook giving a Linear its input as w8a8/w4a8 do: int8 blocks of 32, scale max|x| / 127."""
+    (x,) = args
+    blocks = x.view(*x.shape[:-1], -1, 32)
+    top = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(top > 0, torch.full_like(top, 127) / torch.where(top > 0, top, 1), 0)  # float32, as the kernel rounds
+    return ((torch.round(blocks * inverse) * (top / 127)).view_as(x),)
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8"])
+def test_int8_activations_match_transformers_rounding_the_same_way(dense_dir, tmp_path, scheme):
+    """w8a8 / w4a8 compute what they say: the rounded weights times the activations rounded to int8 blocks (the
+    reference rounds each projection's input in a hook); without the hook the answers would differ."""
+    hf = load_hf_model(dense_dir("qwen2"))
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if ".layers." in name and name.endswith("_proj"):
+                module.weight.copy_(quantize(module.weight, ON_THE_FLY[scheme]).dequantize())
+    hf.save_pretrained(tmp_path)
+    model, config = load(dense_dir("qwen2"), scheme)
+    assert len(int_linears(model)) == 8 and all(m.int_packed.activation_bits == 8 for m in int_linears(model))
+    reference = load_hf_model(str(tmp_path))
+    float_activations = reference(torch.tensor([PROMPT])).logits[0].float().detach()
+    for name, module in reference.named_modules():
+        if ".layers." in name and name.endswith("_proj"):
+            module.register_forward_pre_hook(round_activations_to_int8_blocks)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0].float()
+    got = tidal_prompt_logits(model, config)
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-3)
+    assert (got - float_activations).abs().max() > 1e-2  # the rounding of x is really there
+    tokens = hf_greedy(reference, PROMPT, NEW_TOKENS)
+    assert tidal_greedy(model, config) == tokens and len(set(tokens)) > 1
 
 
 def test_quantization_at_load_refuses_an_already_quantized_checkpoint(compressed_dir):

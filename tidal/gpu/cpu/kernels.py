@@ -17,7 +17,8 @@ One library (ops under ``torch.ops.tidal_cpu``) from these sources:
 * ``csrc/linear_avx2.cpp``: the linear for float32 models whose linear weights are stored in bf16
   (CPUs with AVX2+FMA and no native bf16; tidal/gpu/model/precision.py says when).
 * ``csrc/linear_int.cpp``: the int8/int4 weight-only linear (tidal/gpu/model/quantization.py), its loops
-  (``csrc/linear_int_tile.h``) compiled for AVX-512 and for AVX2 and chosen by the CPU at run time.
+  (``csrc/linear_int_tile.h``) compiled for AVX-512 and for AVX2 and chosen by the CPU at run time; with int8
+  activations (w8a8, w4a8) ``csrc/linear_int_a8.cpp``: x quantized to int8 blocks, integer dot products (AVX2).
 * ``csrc/decoder_stack.cpp``: a model's decoder layers as one call (``torch.classes.tidal_cpu.DecoderStack``)
   over the kernels above, for a forward whose every row attends on the paged kernel: at decode the
   Python layers' dispatch cost as much as a tenth of the step (tidal/gpu/model/llama.py says when it runs).
@@ -50,7 +51,8 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "paged_decode_bf16.cpp", _CSRC / "layer_ops.cpp",
-            _CSRC / "linear_bf16.cpp", _CSRC / "linear_avx2.cpp", _CSRC / "linear_int.cpp", _CSRC / "sampling.cpp",
+            _CSRC / "linear_bf16.cpp", _CSRC / "linear_avx2.cpp", _CSRC / "linear_int.cpp", _CSRC / "linear_int_a8.cpp",
+            _CSRC / "sampling.cpp",
             _CSRC / "decoder_stack.cpp"]
 _HEADERS = [_CSRC / "vec8.h", _CSRC / "linear_int_tile.h", _CSRC / "paged_decode_bf16.h", _CSRC / "claims.h", _CSRC / "ops.h"]
 _lock = threading.Lock()

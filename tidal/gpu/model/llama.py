@@ -275,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
                              layer.mlp.down_proj):
                     weight = part.int_packed
                     int_tensors += [weight.packed, weight.scales, empty if weight.offsets is None else weight.offsets]
-                    params += [weight.bits, weight.group_size]
+                    params += [weight.bits, weight.group_size, weight.activation_bits]
             stack.use_int_linears(int_tensors, params)
         return stack
 

@@ -44,7 +44,7 @@ def load_model(
     With ``tp`` (tensor parallelism) the model is this rank's shard, and only its slices of the
     checkpoint are read (``lazy`` safetensors slices). ``linear_weights=torch.bfloat16`` with a float32
     ``dtype``: the linear weights are stored in bf16 once loaded (``precision.Precision``, the AVX2 path).
-    ``quantize`` ("int8"/"int4", ``quantization.ON_THE_FLY``; "fp8" on a CUDA GPU with FP8) rounds the decoder's
+    ``quantize`` ("int8"/"int4"/"w8a8"/"w4a8", ``quantization.ON_THE_FLY``; "fp8" on a CUDA GPU with FP8) rounds the decoder's
     linear weights at load; a compressed-tensors checkpoint (``compressed.py``) brings its own integers and scales.
     Each quantized Linear runs on its device's kernel (``quantized_linear.pack``: C++ on CPU, Triton or
     ``torch._scaled_mm`` on CUDA).

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 BLOCK = 16  # output columns per packed block (kBlock in csrc/linear_int.cpp)
+BLOCK_A8 = 8  # with int8 activations (kCols in csrc/linear_int_a8.cpp)
 
 
 @dataclass(frozen=True)
@@ -28,14 +29,18 @@ class Scheme:
     bits: int
     group_size: int | None
     symmetric: bool = True
+    activation_bits: int = 16  # 16: x stays float (weight-only); 8: x quantized to int8 blocks of 32 per step
 
     def describe(self) -> str:
         per = "per channel" if self.group_size is None else f"group {self.group_size}"
-        return f"int{self.bits} W{self.bits}A16 {per}{'' if self.symmetric else ' asymmetric'}"
+        return f"int{self.bits} W{self.bits}A{self.activation_bits} {per}{'' if self.symmetric else ' asymmetric'}"
 
 
-# --quantization: round-to-nearest at load (symmetric, as compressed-tensors' W8A16 and W4A16 presets)
-ON_THE_FLY = {"int8": Scheme(8, None), "int4": Scheme(4, 128)}
+# --quantization: round-to-nearest at load (symmetric, as compressed-tensors' W8A16 and W4A16 presets). w8a8 and
+# w4a8 also round each step's activations to int8 (blocks of 32 inputs, llama.cpp's Q8_0/Q4_0 arithmetic), so the
+# kernel multiplies integers: on AVX2 CPUs that is 2-3x faster than widening each weight to float.
+ON_THE_FLY = {"int8": Scheme(8, None), "int4": Scheme(4, 128),
+              "w8a8": Scheme(8, None, activation_bits=8), "w4a8": Scheme(4, 128, activation_bits=8)}
 
 
 @dataclass
@@ -48,6 +53,7 @@ class QuantizedWeight:
     zero_points: torch.Tensor | None
     bits: int
     group_size: int  # inputs per scale; K for one scale per channel
+    activation_bits: int = 16  # 8: the kernel rounds x to int8 blocks of 32 (Scheme.activation_bits)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] these integers stand for."""
@@ -67,28 +73,30 @@ class QuantizedWeight:
         k = self.q.shape[1]
         start, stop, step = inputs.indices(k)
         if (start, stop, step) == (0, k, 1):
-            return QuantizedWeight(q, scales, zero_points, self.bits, self.group_size)
+            return QuantizedWeight(q, scales, zero_points, self.bits, self.group_size, self.activation_bits)
         if step != 1:
             raise ValueError("a quantized weight is sharded by contiguous inputs only")
         if self.group_size >= k:  # one scale per output channel
-            return QuantizedWeight(q[:, start:stop], scales, zero_points, self.bits, stop - start)
+            return QuantizedWeight(q[:, start:stop], scales, zero_points, self.bits, stop - start, self.activation_bits)
         check_whole_groups(start, stop, k, self.bits, self.group_size)
         groups = slice(start // self.group_size, -(-stop // self.group_size))
         return QuantizedWeight(q[:, start:stop], scales[:, groups],
-                               None if zero_points is None else zero_points[:, groups], self.bits, self.group_size)
+                               None if zero_points is None else zero_points[:, groups], self.bits, self.group_size,
+                               self.activation_bits)
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """The parts stacked along the output dimension (a fused q/k/v or gate/up weight)."""
         first = parts[0]
-        if any(p.bits != first.bits or p.group_size != first.group_size for p in parts):
+        if any(p.bits != first.bits or p.group_size != first.group_size or p.activation_bits != first.activation_bits
+               for p in parts):
             raise ValueError("parts of one fused linear are quantized differently")
         zero_points = None
         if any(p.zero_points is not None for p in parts):
             zero_points = torch.cat([p.zero_points if p.zero_points is not None else torch.zeros_like(p.scales, dtype=torch.int8)
                                      for p in parts])
         return QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), zero_points,
-                               first.bits, first.group_size)
+                               first.bits, first.group_size, first.activation_bits)
 
 
 def check_whole_groups(start: int, stop: int, k: int, bits: int, group_size: int) -> None:
@@ -112,7 +120,7 @@ def quantize(weight: torch.Tensor, scheme: Scheme, amax: torch.Tensor | None = N
     scales = (w.abs().amax(dim=2) if amax is None else amax.float()) / qmax
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group: any scale
     q = torch.clamp(torch.round(w / scales[:, :, None]), -qmax - 1, qmax).to(torch.int8)
-    return QuantizedWeight(q.view(n, -1)[:, :k].contiguous(), scales, None, scheme.bits, group)
+    return QuantizedWeight(q.view(n, -1)[:, :k].contiguous(), scales, None, scheme.bits, group, scheme.activation_bits)
 
 
 def quantize_linears(named_linears, scheme: Scheme) -> None:
@@ -141,20 +149,29 @@ def weight_bytes(linears) -> tuple[int, int]:
 
 
 class PackedInt:
-    """A ``QuantizedWeight`` in the kernel's layout (csrc/linear_int.cpp): ``packed`` [blocks, K or K/2, 16],
-    ``scales`` and ``offsets`` float32 [blocks, groups, 16] (offset = zero point * scale, plus 8 * scale for
-    int4, which is stored unsigned), or no offsets for symmetric int8 per channel."""
+    """A ``QuantizedWeight`` in the kernel's layout. Float activations (csrc/linear_int.cpp): ``packed`` [blocks of
+    16 columns, K or K/2, 16]; int8 activations (csrc/linear_int_a8.cpp): [blocks of 8 columns, K/4 or K/8, 32],
+    4 consecutive inputs of 8 columns per 32 bytes (int4: a byte holds inputs 8t + j and 8t + 4 + j). ``scales`` and
+    ``offsets`` float32 [blocks, groups, columns per block] (offset = zero point * scale, plus 8 * scale for int4,
+    which is stored unsigned), or no offsets for symmetric int8 per channel."""
 
     def __init__(self, weight: QuantizedWeight, ops) -> None:
         n, k = weight.q.shape
         if weight.bits == 4 and (k % 2 or weight.group_size % 2):
             raise ValueError(f"int4 weights need an even input size and group size (K={k}, group {weight.group_size})")
+        if weight.activation_bits == 8 and (k % 32 or weight.group_size % 32):
+            raise ValueError(f"int8 activations need an input size and group size that are multiples of 32 "
+                             f"(K={k}, group {weight.group_size})")
         self.n, self.k, self.bits, self.group_size = n, k, weight.bits, weight.group_size
+        self.activation_bits = weight.activation_bits
         self._ops = ops
-        blocks = -(-n // BLOCK)
-        q = F.pad(weight.q, (0, 0, 0, blocks * BLOCK - n)).view(blocks, BLOCK, k)
-        if weight.bits == 8:
-            self.packed = q.transpose(1, 2).contiguous()
+        columns = BLOCK if weight.activation_bits == 16 else BLOCK_A8
+        blocks = -(-n // columns)
+        q = F.pad(weight.q, (0, 0, 0, blocks * columns - n))
+        if weight.activation_bits == 8:
+            self.packed = self._pack_a8(q, weight.bits, blocks)
+        elif weight.bits == 8:
+            self.packed = q.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
         else:
             u = (q.to(torch.int16) + 8).to(torch.uint8).view(blocks, BLOCK, k // 2, 2)
             self.packed = (u[..., 0] | (u[..., 1] << 4)).transpose(1, 2).contiguous()
@@ -164,16 +181,26 @@ class PackedInt:
             offsets = weight.zero_points.float() * scales
         if weight.bits == 4:
             offsets = (offsets if offsets is not None else 0) + 8 * scales
-        elif offsets is None and scales.shape[1] != 1:
+        elif offsets is None and scales.shape[1] != 1 and weight.activation_bits == 16:
             offsets = torch.zeros_like(scales)
-        self.scales = self._blocked(scales, blocks)
-        self.offsets = None if offsets is None else self._blocked(offsets, blocks)
+        self.scales = self._blocked(scales, blocks, columns)
+        self.offsets = None if offsets is None else self._blocked(offsets, blocks, columns)
 
     @staticmethod
-    def _blocked(per_column: torch.Tensor, blocks: int) -> torch.Tensor:
-        """[N, groups] -> [blocks, groups, 16], padding columns 0."""
-        padded = F.pad(per_column, (0, 0, 0, blocks * BLOCK - per_column.shape[0]))
-        return padded.view(blocks, BLOCK, -1).transpose(1, 2).contiguous()
+    def _pack_a8(q: torch.Tensor, bits: int, blocks: int) -> torch.Tensor:
+        """[N padded, K] integers -> [blocks, K/4 (int8) or K/8 (int4), 32] (csrc/linear_int_a8.cpp's layout)."""
+        k = q.shape[1]
+        if bits == 8:  # [blocks, 8 columns, K/4, 4 inputs] -> [blocks, K/4, 8, 4]
+            return q.view(blocks, BLOCK_A8, k // 4, 4).permute(0, 2, 1, 3).reshape(blocks, k // 4, 32).contiguous()
+        u = (q.to(torch.int16) + 8).to(torch.uint8).view(blocks, BLOCK_A8, k // 8, 2, 4)  # inputs 8t + 4h + j
+        nibbles = u[:, :, :, 0, :] | (u[:, :, :, 1, :] << 4)  # [blocks, 8, K/8, 4]
+        return nibbles.permute(0, 2, 1, 3).reshape(blocks, k // 8, 32).contiguous()
+
+    @staticmethod
+    def _blocked(per_column: torch.Tensor, blocks: int, columns: int) -> torch.Tensor:
+        """[N, groups] -> [blocks, groups, columns], padding columns 0."""
+        padded = F.pad(per_column, (0, 0, 0, blocks * columns - per_column.shape[0]))
+        return padded.view(blocks, columns, -1).transpose(1, 2).contiguous()
 
     @property
     def nbytes(self) -> int:
@@ -181,7 +208,8 @@ class PackedInt:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.offsets) if t is not None)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self._ops.linear_int(x, self.packed, self.scales, self.offsets, self.n, self.bits, self.group_size, bias)
+        return self._ops.linear_int(x, self.packed, self.scales, self.offsets, self.n, self.bits, self.group_size,
+                                    self.activation_bits, bias)
 
 
 def int_linear_ops(device: torch.device | str):

@@ -29,7 +29,7 @@ struct StackLinear {
   int64_t n;
   std::optional<at::Tensor> bias;
   // int8/int4 weights (linear_int), set by use_int_linears: bits 0 means packed is a bf16 layout
-  int64_t bits = 0, group_size = 0;
+  int64_t bits = 0, group_size = 0, activation_bits = 16;
   at::Tensor scales;
   std::optional<at::Tensor> offsets;
 };
@@ -82,11 +82,11 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   // Run every linear on int8/int4 weights (linear_int): per layer, for qkv, o, gate_up and down in that order,
-  // tensors (packed, scales, offsets or an empty tensor) and params (bits, group_size); the packed tensors
-  // given to the constructor were these same ones.
+  // tensors (packed, scales, offsets or an empty tensor) and params (bits, group_size, activation_bits); the packed
+  // tensors given to the constructor were these same ones.
   void use_int_linears(std::vector<at::Tensor> tensors, std::vector<int64_t> params) {
-    TORCH_CHECK(tensors.size() == layers_.size() * 12 && params.size() == layers_.size() * 8,
-                "expected 12 tensors and 8 params per layer");
+    TORCH_CHECK(tensors.size() == layers_.size() * 12 && params.size() == layers_.size() * 12,
+                "expected 12 tensors and 12 params per layer");
     for (size_t i = 0; i < layers_.size(); ++i) {
       StackLinear* linears[] = {&layers_[i].qkv, &layers_[i].o, &layers_[i].gate_up, &layers_[i].down};
       for (int j = 0; j < 4; ++j) {
@@ -94,8 +94,9 @@ class DecoderStack : public torch::CustomClassHolder {
         linears[j]->packed = t[0];
         linears[j]->scales = t[1];
         linears[j]->offsets = present(t[2]);
-        linears[j]->bits = params[i * 8 + j * 2];
-        linears[j]->group_size = params[i * 8 + j * 2 + 1];
+        linears[j]->bits = params[i * 12 + j * 3];
+        linears[j]->group_size = params[i * 12 + j * 3 + 1];
+        linears[j]->activation_bits = params[i * 12 + j * 3 + 2];
       }
     }
   }
@@ -144,7 +145,7 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   at::Tensor linear(const at::Tensor& x, const StackLinear& w) const {
-    if (w.bits != 0) return linear_int(x, w.packed, w.scales, w.offsets, w.n, w.bits, w.group_size, w.bias);
+    if (w.bits != 0) return linear_int(x, w.packed, w.scales, w.offsets, w.n, w.bits, w.group_size, w.activation_bits, w.bias);
     return avx2_ ? linear_avx2(x, w.packed, w.n, w.bias) : linear_bf16(x, w.packed, w.n, w.bias);
   }
 

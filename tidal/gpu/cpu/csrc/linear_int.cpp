@@ -144,10 +144,13 @@ void run(const Problem& p, int64_t begin, int64_t end) {
 }  // namespace
 
 // x [..., K] float32 or bf16 (last dim contiguous); packed, scales, offsets as above; bits 8 or 4; group_size
-// inputs per scale (K for per channel). Returns [..., N] in x's dtype.
+// inputs per scale (K for per channel); activation_bits 16 (x stays float) or 8 (x quantized to int8 blocks,
+// linear_int_a8.cpp, with its own layout). Returns [..., N] in x's dtype.
 at::Tensor linear_int(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                       const std::optional<at::Tensor>& offsets, int64_t n, int64_t bits, int64_t group_size,
-                      const std::optional<at::Tensor>& bias) {
+                      int64_t activation_bits, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(activation_bits == 16 || activation_bits == 8, "activation_bits must be 16 or 8, got ", activation_bits);
+  if (activation_bits == 8) return linear_int_a8(x, packed, scales, offsets, n, bits, group_size, bias);
   static const bool supported = *cpu_isa() != '\0';
   TORCH_CHECK(supported, "linear_int needs a CPU with AVX2 and FMA");
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
@@ -204,6 +207,6 @@ using namespace tidal_cpu;
 
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def("linear_int(Tensor x, Tensor packed, Tensor scales, Tensor? offsets, int n, int bits, int group_size, "
-        "Tensor? bias) -> Tensor", &linear_int);
+        "int activation_bits, Tensor? bias) -> Tensor", &linear_int);
   m.def("linear_int_isa() -> str", &linear_int_isa);
 }

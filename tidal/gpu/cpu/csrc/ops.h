@@ -20,10 +20,13 @@ bool linear_bf16_supported();
 at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias);
 bool linear_avx2_supported();
 
-// linear_int.cpp
+// linear_int.cpp, linear_int_a8.cpp
 at::Tensor linear_int(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                       const std::optional<at::Tensor>& offsets, int64_t n, int64_t bits, int64_t group_size,
-                      const std::optional<at::Tensor>& bias);
+                      int64_t activation_bits, const std::optional<at::Tensor>& bias);
+at::Tensor linear_int_a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& offsets, int64_t n, int64_t bits, int64_t group_size,
+                         const std::optional<at::Tensor>& bias);
 
 // paged_decode.cpp
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -1,0 +1,95 @@
+"""The int8/int4 linear with int8 activations (csrc/linear_int_a8.cpp, --quantization w8a8 / w4a8): x is rounded
+to int8 in blocks of 32 inputs (scale max|x| / 127) and the result is that rounded x times the dequantized weight,
+exactly up to float32 rounding of the per-block partial sums; ragged N, groups, zero points, 1 to 40 rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tidal.gpu.model.quantization import PackedInt, QuantizedWeight, Scheme, int_linear_ops, quantize
+
+
+@pytest.fixture(scope="module")
+def ops():
+    loaded = int_linear_ops("cpu")
+    if loaded is None:
+        pytest.skip("the int linear kernel needs a CPU with AVX2+FMA and the C++ kernels built")
+    return loaded
+
+
+def rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it (float64): int8 blocks of 32, q = round-half-even(x * (127 / max|x|)) and scale
+    max|x| / 127, both factors in float32 as the kernel computes them (so the same ties round the same way; a
+    tensor / tensor division: torch computes a number / tensor as a product with the reciprocal)."""
+    blocks = x.float().view(*x.shape[:-1], -1, 32)
+    top = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(top > 0, torch.full_like(top, 127) / torch.where(top > 0, top, 1), 0)
+    q = torch.round(blocks * inverse)
+    return (q.double() * (top / 127).double()).view_as(x)
+
+
+def with_zero_points(weight: QuantizedWeight, seed: int) -> QuantizedWeight:
+    low = -(2 ** (weight.bits - 1))
+    generator = torch.Generator().manual_seed(seed)
+    weight.zero_points = torch.randint(low // 2, -low // 2, weight.scales.shape, generator=generator, dtype=torch.int8)
+    return weight
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 40), n=st.integers(1, 90), k_blocks=st.integers(1, 24), bits=st.sampled_from([8, 4]),
+       group=st.sampled_from([None, 32, 64, 128]), symmetric=st.booleans(), with_bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_matches_rounded_activations_times_the_dequantized_weight(ops, m, n, k_blocks, bits, group, symmetric,
+                                                                    with_bias, seed):
+    k = 32 * k_blocks  # the last group may be shorter
+    generator = torch.Generator().manual_seed(seed)
+    weight = quantize(torch.randn(n, k, generator=generator), Scheme(bits, group, activation_bits=8))
+    if not symmetric:
+        weight = with_zero_points(weight, seed)
+    x = torch.randn(m, k, generator=generator) * torch.rand(m, 1, generator=generator) * 4
+    bias = torch.randn(n, generator=generator) if with_bias else None
+    out = PackedInt(weight, ops).linear(x, bias)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    dense = weight.dequantize().double()
+    x_rounded = rounded_activations(x)
+    exact = x_rounded @ dense.T + (0 if bias is None else bias.double())
+    magnitude = x_rounded.abs() @ dense.abs().T + (0 if bias is None else bias.double().abs())
+    # float32 rounding of each 32-block's scaled sum, the offset term and the running total (int sums are exact)
+    error = (out.double() - exact).abs()
+    bound = magnitude * (k // 32 + 8) * 2.0**-22 + 1e-6 * magnitude.max()
+    assert (error <= bound).all(), f"max error {error.max():.3g}"
+    # and the rounding of x costs at most half a step of each block, times the weights
+    step = x.double().view(m, -1, 32).abs().amax(dim=-1).repeat_interleave(32, dim=1) / 127
+    drift = (out.double() - (x.double() @ dense.T + (0 if bias is None else bias.double()))).abs()
+    assert (drift <= (step / 2) @ dense.abs().T + bound).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bf16_activations_give_a_bf16_result(ops, bits):
+    weight = quantize(torch.randn(48, 256), Scheme(bits, 128 if bits == 4 else None, activation_bits=8))
+    x = torch.randn(2, 3, 256).bfloat16()
+    bias = torch.randn(48).bfloat16()
+    out = PackedInt(weight, ops).linear(x, bias)
+    assert out.shape == (2, 3, 48) and out.dtype == torch.bfloat16
+    reference = rounded_activations(x.float()).float() @ weight.dequantize().T + bias.float()
+    assert torch.allclose(out.float(), reference, atol=0.1, rtol=0.02)
+
+
+def test_zero_rows_give_zero_not_nan(ops):
+    weight = PackedInt(quantize(torch.randn(16, 64), Scheme(4, 32, activation_bits=8)), ops)
+    out = weight.linear(torch.zeros(3, 64), None)
+    assert torch.equal(out, torch.zeros(3, 16))
+
+
+def test_an_input_size_off_the_32_grid_is_refused_at_packing(ops):
+    with pytest.raises(ValueError, match="multiples of 32"):
+        PackedInt(quantize(torch.randn(16, 48), Scheme(8, None, activation_bits=8)), ops)
+
+
+def test_a_wrong_layout_is_refused_by_the_kernel(ops):
+    float_layout = PackedInt(quantize(torch.randn(16, 64), Scheme(8, None)), ops)
+    with pytest.raises(RuntimeError, match="packed weight has shape"):
+        ops.linear_int(torch.randn(1, 64), float_layout.packed, float_layout.scales, None, 16, 8, 64, 8, None)

@@ -1,0 +1,283 @@
+// The int8/int4 linear with int8 activations (quantization.py's w8a8 / w4a8): integer dot products instead of
+// widening every weight to float.
+//
+// On a CPU without wide float conversion units (AVX2 hosts such as this project's AMD EPYC), widening int8/int4
+// weights to float32 costs more than reading them: linear_int.cpp's float path runs at 2-5x the weight-read
+// time there. Here each row of x is quantized on the fly to int8 in blocks of 32 inputs (scale = max|x| / 127,
+// the arithmetic of llama.cpp's Q8_0 activations) and multiplied against the integer weights with vpmaddubsw
+// (32 byte products per instruction), so a weight costs about one vector op per 32 and decode is bound by the
+// read again. The result equals x' @ dequant(W).T + b, where x' is x rounded to those int8 blocks.
+//
+// Weights per output column: w = q * scale - offset per group of inputs (offset = zero_point * scale, and for
+// int4, stored as u = q + 8, also + 8 * scale), so a column's sum is
+//   sum_g scale_g * sum_{blocks b of g} sx_b * (integer dot of block b)  -  offset_g * sum_{i in g} x'_i.
+// Layout (quantization.py packs it), output columns in blocks of 8 (one ymm of int32 sums):
+//   int8: [blocks, K/4, 32]: for each 4 inputs, 8 columns x 4 consecutive inputs (signed bytes);
+//   int4: [blocks, K/8, 32]: for each 8 inputs, 8 columns x 4 bytes, byte j = u(8t + j) | u(8t + 4 + j) << 4.
+// scales, offsets: float32 [blocks, groups, 8]. K and the group size are multiples of 32 (the last group may be
+// shorter).
+//
+// AVX2 code (an AVX-512 CPU runs it too): vpmaddubsw multiplies unsigned by signed bytes, so int8 weights go
+// in as |q| with x's sign flipped where q < 0 (vpsignb); int4's u is already unsigned. Sums of two products
+// stay within int16 (128 * 127 * 2 < 32768; int4's four: 15 * 127 * 4 < 32768).
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include "claims.h"
+#include "ops.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace tidal_cpu {
+namespace {
+
+constexpr int64_t kCols = 8;              // output columns per packed block
+constexpr int64_t kXBlock = 32;           // inputs per activation scale
+constexpr int64_t kTaskBytes = 1 << 19;  // weight bytes below which another thread costs more than it saves
+
+struct Problem {
+  const int8_t* qx;    // [M, K] x quantized
+  const float* sx;     // [M, K / 32] its scales
+  const float* sumx;   // [M, groups] sum of x' over each group (for the offsets)
+  const uint8_t* w;    // packed weight
+  const float* scales;
+  const float* offsets;  // or null
+  const float* bias;     // [N] or null
+  float* out;            // [M, N]
+  int64_t m, n, k, bits, group_size, groups;
+};
+
+#if defined(__x86_64__) || defined(__i386__)
+#define TIDAL_TARGET __attribute__((target("avx2,fma")))
+
+TIDAL_TARGET inline float horizontal_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+TIDAL_TARGET inline int horizontal_sum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// One row of x [K] to int8 blocks of 32 (round to nearest), their scales and per-group sums of x'.
+TIDAL_TARGET void quantize_row(const float* x, int64_t k, int64_t group_size, int8_t* qx, float* sx, float* sumx) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < k / kXBlock; ++b) {
+    const float* p = x + b * kXBlock;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(p + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+    }
+    const float top = horizontal_max(amax);
+    const float scale = top / 127.0f;
+    const __m256 inverse = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
+    const int total = horizontal_sum(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    // pack 4 x 8 int32 to 32 int8; the packs interleave 128-bit lanes, the permute puts them back in order
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx + b * kXBlock), _mm256_permutevar8x32_epi32(bytes, order));
+    sx[b] = scale;
+    sumx[b * kXBlock / group_size] += scale * static_cast<float>(total);
+  }
+}
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Rows [row, row + R) by column blocks [block, block + C). Per block of 32 inputs the int32 sums are scaled
+// into the float sums by scale_g * sx_b; per group the offsets take sum_g(x') off.
+template <int R, int C, int BITS>
+TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, int64_t block) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const int64_t line = BITS == 8 ? p.k * kCols : p.k * kCols / 2;  // bytes of one column block
+  const int64_t xblocks = p.k / kXBlock, per_group = p.group_size / kXBlock;
+  const uint8_t* w = p.w + block * line;
+  __m256 y[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) y[c][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m256 scale[C];
+    for (int c = 0; c < C; ++c) scale[c] = _mm256_loadu_ps(p.scales + ((block + c) * p.groups + g) * kCols);
+    for (int64_t b = g * per_group; b < std::min(xblocks, (g + 1) * per_group); ++b) {
+      __m256i acc[C][R];
+      for (int c = 0; c < C; ++c)
+        for (int r = 0; r < R; ++r) acc[c][r] = _mm256_setzero_si256();
+      if constexpr (BITS == 8) {
+        _Pragma("GCC unroll 8") for (int s = 0; s < 8; ++s) {
+          const int64_t i = b * kXBlock + 4 * s;
+          __m256i xv[R];
+          for (int r = 0; r < R; ++r) xv[r] = broadcast4(p.qx + (row + r) * p.k + i);
+          for (int c = 0; c < C; ++c) {
+            const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * line + i * kCols));
+            const __m256i magnitude = _mm256_sign_epi8(wv, wv);
+            for (int r = 0; r < R; ++r)
+              acc[c][r] = _mm256_add_epi32(
+                  acc[c][r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv[r], wv)), ones));
+          }
+        }
+      } else {
+        _Pragma("GCC unroll 4") for (int s = 0; s < 4; ++s) {
+          const int64_t i = b * kXBlock + 8 * s;
+          __m256i low_x[R], high_x[R];
+          for (int r = 0; r < R; ++r) {
+            low_x[r] = broadcast4(p.qx + (row + r) * p.k + i);
+            high_x[r] = broadcast4(p.qx + (row + r) * p.k + i + 4);
+          }
+          for (int c = 0; c < C; ++c) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * line + i * kCols / 2));
+            const __m256i low = _mm256_and_si256(v, nibble), high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            for (int r = 0; r < R; ++r)
+              acc[c][r] = _mm256_add_epi32(
+                  acc[c][r], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(low, low_x[r]),
+                                                                _mm256_maddubs_epi16(high, high_x[r])),
+                                               ones));
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 sx = _mm256_set1_ps(p.sx[(row + r) * xblocks + b]);
+        for (int c = 0; c < C; ++c)
+          y[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[c][r]), _mm256_mul_ps(scale[c], sx), y[c][r]);
+      }
+    }
+    if (p.offsets != nullptr) {
+      for (int c = 0; c < C; ++c) {
+        const __m256 offset = _mm256_loadu_ps(p.offsets + ((block + c) * p.groups + g) * kCols);
+        for (int r = 0; r < R; ++r)
+          y[c][r] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(p.sumx[(row + r) * p.groups + g]), y[c][r]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const int64_t col = (block + c) * kCols, valid = std::min<int64_t>(kCols, p.n - col);
+    alignas(32) float bias[kCols] = {};
+    if (p.bias != nullptr) std::copy(p.bias + col, p.bias + col + valid, bias);
+    for (int r = 0; r < R; ++r) {
+      alignas(32) float result[kCols];
+      _mm256_store_ps(result, _mm256_add_ps(y[c][r], _mm256_load_ps(bias)));
+      std::copy(result, result + valid, p.out + (row + r) * p.n + col);
+    }
+  }
+}
+
+// One row: four column blocks at a time (their loads overlap and x's broadcasts are shared). Several rows: four
+// rows by one block, so each weight vector loaded feeds four rows.
+template <int BITS>
+TIDAL_TARGET void run_blocks(const Problem& p, int64_t begin, int64_t end) {
+  if (p.m == 1) {
+    int64_t block = begin;
+    for (; block + 4 <= end; block += 4) tile<1, 4, BITS>(p, 0, block);
+    for (; block < end; ++block) tile<1, 1, BITS>(p, 0, block);
+    return;
+  }
+  for (int64_t block = begin; block < end; ++block) {
+    int64_t row = 0;
+    for (; row + 4 <= p.m; row += 4) tile<4, 1, BITS>(p, row, block);
+    switch (p.m - row) {
+      case 3: tile<3, 1, BITS>(p, row, block); break;
+      case 2: tile<2, 1, BITS>(p, row, block); break;
+      case 1: tile<1, 1, BITS>(p, row, block); break;
+      default: break;
+    }
+  }
+}
+
+#undef TIDAL_TARGET
+#endif
+
+}  // namespace
+
+bool linear_int_a8_supported() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+at::Tensor linear_int_a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& offsets, int64_t n, int64_t bits, int64_t group_size,
+                         const std::optional<at::Tensor>& bias) {
+  static const bool supported = linear_int_a8_supported();
+  TORCH_CHECK(supported, "int8 activations need a CPU with AVX2 and FMA");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a float32 or bf16 CPU tensor");
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+  const int64_t k = x.size(-1), blocks = (n + kCols - 1) / kCols;
+  TORCH_CHECK(k % kXBlock == 0 && group_size % kXBlock == 0,
+              "int8 activations need K and the group size to be multiples of 32 (K=", k, ", group ", group_size, ")");
+  const int64_t groups = (k + group_size - 1) / group_size;  // the last may be shorter
+  const int64_t lines = bits == 8 ? k / 4 : k / 8;
+  TORCH_CHECK(packed.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == blocks && packed.size(1) == lines && packed.size(2) == 4 * kCols,
+              "packed weight has shape ", packed.sizes(), ", expected [", blocks, ", ", lines, ", 32] for N=", n, " K=", k,
+              " bits=", bits);
+  auto check_per_group = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 && t.size(0) == blocks &&
+                    t.size(1) == groups && t.size(2) == kCols,
+                name, " has shape ", t.sizes(), ", expected float32 [", blocks, ", ", groups, ", 8]");
+  };
+  check_per_group(scales, "scales");
+  if (offsets.has_value()) check_per_group(*offsets, "offsets");
+  at::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "bias must have N=", n, " values");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor rows = x.reshape({-1, k});
+  if (rows.scalar_type() != at::kFloat || !rows.is_contiguous()) rows = rows.to(at::kFloat).contiguous();
+  const int64_t m = rows.size(0);
+  at::Tensor out = at::empty({m, n}, rows.options());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+#if defined(__x86_64__) || defined(__i386__)
+  if (m > 0 && n > 0) {
+    at::Tensor qx = at::empty({m, k}, rows.options().dtype(at::kChar));
+    at::Tensor sx = at::empty({m, k / kXBlock}, rows.options());
+    at::Tensor sumx = at::zeros({m, groups}, rows.options());
+    const float* xs = rows.data_ptr<float>();
+    for (int64_t r = 0; r < m; ++r)
+      quantize_row(xs + r * k, k, group_size, qx.data_ptr<int8_t>() + r * k, sx.data_ptr<float>() + r * (k / kXBlock),
+                   sumx.data_ptr<float>() + r * groups);
+    const Problem p{qx.data_ptr<int8_t>(), sx.data_ptr<float>(), sumx.data_ptr<float>(),
+                    static_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr<float>(),
+                    offsets.has_value() ? offsets->data_ptr<float>() : nullptr,
+                    bias.has_value() ? bias32.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                    m, n, k, bits, group_size, groups};
+    // chunks of whole 4-block tiles, each with enough weight to be worth a thread
+    const int64_t block_bytes = lines * 4 * kCols;
+    const int64_t chunk = std::max<int64_t>(4, (kTaskBytes / std::max<int64_t>(1, block_bytes * ((m + 3) / 4))) / 4 * 4);
+    const int64_t threads = (blocks + chunk - 1) / chunk;
+    tidal_cpu::parallel_claims(blocks, 4, threads, [&](int64_t begin, int64_t end, int64_t) {
+      if (bits == 8) run_blocks<8>(p, begin, end);
+      else run_blocks<4>(p, begin, end);
+    });
+  }
+#endif
+  out = out.view(shape);
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace tidal_cpu
