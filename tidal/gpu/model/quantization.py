@@ -159,17 +159,16 @@ class PackedInt:
         n, k = weight.q.shape
         if weight.bits == 4 and (k % 2 or weight.group_size % 2):
             raise ValueError(f"int4 weights need an even input size and group size (K={k}, group {weight.group_size})")
-        if weight.activation_bits == 8 and (k % 32 or weight.group_size % 32):
-            raise ValueError(f"int8 activations need an input size and group size that are multiples of 32 "
-                             f"(K={k}, group {weight.group_size})")
+        if weight.activation_bits == 8 and weight.group_size < k and weight.group_size % 32:
+            raise ValueError(f"int8 activations need a group size that is a multiple of 32 (group {weight.group_size})")
         self.n, self.k, self.bits, self.group_size = n, k, weight.bits, weight.group_size
         self.activation_bits = weight.activation_bits
         self._ops = ops
         columns = BLOCK if weight.activation_bits == 16 else BLOCK_A8
         blocks = -(-n // columns)
         q = F.pad(weight.q, (0, 0, 0, blocks * columns - n))
-        if weight.activation_bits == 8:
-            self.packed = self._pack_a8(q, weight.bits, blocks)
+        if weight.activation_bits == 8:  # K padded with zero weights to whole blocks of 32 activations
+            self.packed = self._pack_a8(F.pad(q, (0, -k % 32)), weight.bits, blocks)
         elif weight.bits == 8:
             self.packed = q.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
         else:

@@ -14,8 +14,8 @@
 // Layout (quantization.py packs it), output columns in blocks of 8 (one ymm of int32 sums):
 //   int8: [blocks, K/4, 32]: for each 4 inputs, 8 columns x 4 consecutive inputs (signed bytes);
 //   int4: [blocks, K/8, 32]: for each 8 inputs, 8 columns x 4 bytes, byte j = u(8t + j) | u(8t + 4 + j) << 4.
-// scales, offsets: float32 [blocks, groups, 8]. K and the group size are multiples of 32 (the last group may be
-// shorter).
+// scales, offsets: float32 [blocks, groups, 8]. K is padded to a multiple of 32 with zero weights; a group is a
+// multiple of 32 inputs (the last may be shorter) or the whole row.
 //
 // AVX2 code (an AVX-512 CPU runs it too): vpmaddubsw multiplies unsigned by signed bytes, so int8 weights go
 // in as |q| with x's sign flipped where q < 0 (vpsignb); int4's u is already unsigned. Sums of two products
@@ -52,7 +52,7 @@ struct Problem {
   const float* offsets;  // or null
   const float* bias;     // [N] or null
   float* out;            // [M, N]
-  int64_t m, n, k, bits, group_size, groups;
+  int64_t m, n, k, bits, group_size, groups;  // k: K padded to a multiple of 32
 };
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -72,12 +72,18 @@ TIDAL_TARGET inline int horizontal_sum(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// One row of x [K] to int8 blocks of 32 (round to nearest), their scales and per-group sums of x'.
+// One row of x [K] to int8 blocks of 32 (round half to even; a last partial block is padded with zeros), their
+// scales and per-group sums of x'. qx and sx have room for K rounded up to 32.
 TIDAL_TARGET void quantize_row(const float* x, int64_t k, int64_t group_size, int8_t* qx, float* sx, float* sumx) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t b = 0; b < k / kXBlock; ++b) {
+  for (int64_t b = 0; b * kXBlock < k; ++b) {
     const float* p = x + b * kXBlock;
+    alignas(32) float tail[kXBlock] = {};
+    if ((b + 1) * kXBlock > k) {
+      std::copy(p, x + k, tail);
+      p = tail;
+    }
     __m256 v[4];
     __m256 amax = _mm256_setzero_ps();
     for (int j = 0; j < 4; ++j) {
@@ -226,10 +232,13 @@ at::Tensor linear_int_a8(const at::Tensor& x, const at::Tensor& packed, const at
               "x must be a float32 or bf16 CPU tensor");
   TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
   const int64_t k = x.size(-1), blocks = (n + kCols - 1) / kCols;
-  TORCH_CHECK(k % kXBlock == 0 && group_size % kXBlock == 0,
-              "int8 activations need K and the group size to be multiples of 32 (K=", k, ", group ", group_size, ")");
-  const int64_t groups = (k + group_size - 1) / group_size;  // the last may be shorter
-  const int64_t lines = bits == 8 ? k / 4 : k / 8;
+  // K is padded to whole blocks of 32 (the packed weight with zeros); groups of inputs are whole blocks
+  const int64_t padded_k = (k + kXBlock - 1) / kXBlock * kXBlock;
+  if (group_size >= k) group_size = padded_k;  // one scale per output channel
+  TORCH_CHECK(group_size > 0 && group_size % kXBlock == 0,
+              "int8 activations need a group size that is a multiple of 32 (K=", k, ", group ", group_size, ")");
+  const int64_t groups = (padded_k + group_size - 1) / group_size;  // the last may be shorter
+  const int64_t lines = bits == 8 ? padded_k / 4 : padded_k / 8;
   TORCH_CHECK(packed.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(0) == blocks && packed.size(1) == lines && packed.size(2) == 4 * kCols,
               "packed weight has shape ", packed.sizes(), ", expected [", blocks, ", ", lines, ", 32] for N=", n, " K=", k,
@@ -254,18 +263,18 @@ at::Tensor linear_int_a8(const at::Tensor& x, const at::Tensor& packed, const at
   shape.back() = n;
 #if defined(__x86_64__) || defined(__i386__)
   if (m > 0 && n > 0) {
-    at::Tensor qx = at::empty({m, k}, rows.options().dtype(at::kChar));
-    at::Tensor sx = at::empty({m, k / kXBlock}, rows.options());
+    at::Tensor qx = at::empty({m, padded_k}, rows.options().dtype(at::kChar));
+    at::Tensor sx = at::empty({m, padded_k / kXBlock}, rows.options());
     at::Tensor sumx = at::zeros({m, groups}, rows.options());
     const float* xs = rows.data_ptr<float>();
     for (int64_t r = 0; r < m; ++r)
-      quantize_row(xs + r * k, k, group_size, qx.data_ptr<int8_t>() + r * k, sx.data_ptr<float>() + r * (k / kXBlock),
-                   sumx.data_ptr<float>() + r * groups);
+      quantize_row(xs + r * k, k, group_size, qx.data_ptr<int8_t>() + r * padded_k,
+                   sx.data_ptr<float>() + r * (padded_k / kXBlock), sumx.data_ptr<float>() + r * groups);
     const Problem p{qx.data_ptr<int8_t>(), sx.data_ptr<float>(), sumx.data_ptr<float>(),
                     static_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr<float>(),
                     offsets.has_value() ? offsets->data_ptr<float>() : nullptr,
                     bias.has_value() ? bias32.data_ptr<float>() : nullptr, out.data_ptr<float>(),
-                    m, n, k, bits, group_size, groups};
+                    m, n, padded_k, bits, group_size, groups};
     // chunks of whole 4-block tiles, each with enough weight to be worth a thread
     const int64_t block_bytes = lines * 4 * kCols;
     const int64_t chunk = std::max<int64_t>(4, (kTaskBytes / std::max<int64_t>(1, block_bytes * ((m + 3) / 4))) / 4 * 4);
