@@ -18,7 +18,7 @@ from hf_models import hf_greedy, load_hf_model, make_hf_model
 from paged_batch import PagedCache, Sequence, build_batch
 from tidal.gpu.model.attention import TorchPagedAttention
 from tidal.gpu.model.loader import load_model
-from tidal.gpu.model.quantization import ON_THE_FLY, int_linear_ops, quantize
+from tidal.gpu.model.quantization import LM_HEAD_A8, ON_THE_FLY, int_linear_ops, quantize
 
 pytest.importorskip("compressed_tensors")
 from quantized_checkpoints import write_compressed  # noqa: E402 - needs compressed_tensors
@@ -144,26 +144,34 @@ def round_activations_to_int8_blocks(module, args):
 
 @pytest.mark.parametrize("scheme", ["w8a8", "w4a8"])
 def test_int8_activations_match_transformers_rounding_the_same_way(dense_dir, tmp_path, scheme):
-    """w8a8 / w4a8 compute what they say: the rounded weights times the activations rounded to int8 blocks (the
-    reference rounds each projection's input in a hook); without the hook the answers would differ."""
+    """w8a8 / w4a8 compute what they say: the rounded weights (and the LM head rounded to int8 per row) times the
+    activations rounded to int8 blocks (the reference rounds each projection's and the head's input in a hook);
+    without the hook the answers would differ."""
     hf = load_hf_model(dense_dir("qwen2"))
+    hf.config.tie_word_embeddings = False  # the head is rounded, the embedding table is not
+    hf.lm_head.weight = torch.nn.Parameter(hf.model.embed_tokens.weight.detach().clone())
     with torch.no_grad():
         for name, module in hf.named_modules():
             if ".layers." in name and name.endswith("_proj"):
                 module.weight.copy_(quantize(module.weight, ON_THE_FLY[scheme]).dequantize())
+        hf.lm_head.weight.copy_(quantize(hf.lm_head.weight, LM_HEAD_A8).dequantize())  # int8 per row, as llama.cpp
     hf.save_pretrained(tmp_path)
     model, config = load(dense_dir("qwen2"), scheme)
-    assert len(int_linears(model)) == 8 and all(m.int_packed.activation_bits == 8 for m in int_linears(model))
+    assert len(int_linears(model)) == 8 + 1 and all(m.int_packed.activation_bits == 8 for m in int_linears(model))
     reference = load_hf_model(str(tmp_path))
     float_activations = reference(torch.tensor([PROMPT])).logits[0].float().detach()
     for name, module in reference.named_modules():
-        if ".layers." in name and name.endswith("_proj"):
+        if (".layers." in name and name.endswith("_proj")) or name == "lm_head":
             module.register_forward_pre_hook(round_activations_to_int8_blocks)
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0].float()
     got = tidal_prompt_logits(model, config)
-    torch.testing.assert_close(got, expected, rtol=0, atol=2e-3)
-    assert (got - float_activations).abs().max() > 1e-2  # the rounding of x is really there
+    # Rounding x is a step function: where tidal's and transformers' float32 inputs (equal to ~1e-7) straddle a
+    # rounding boundary, one int8 value differs by one step and moves that row's logits by ~1e-2. So: nearly all
+    # logits within 2e-3, none far off, and the rounding of x visible (float activations differ by far more).
+    difference = (got - expected).abs()
+    assert difference.flatten().quantile(0.9) <= 2e-3 and difference.max() <= 5e-2, difference.max()
+    assert (got - float_activations).abs().flatten().quantile(0.9) > 10 * difference.flatten().quantile(0.9)
     tokens = hf_greedy(reference, PROMPT, NEW_TOKENS)
     assert tidal_greedy(model, config) == tokens and len(set(tokens)) > 1
 

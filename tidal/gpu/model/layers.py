@@ -149,11 +149,15 @@ class Linear(nn.Module):
         self.int_packed = None
 
     @classmethod
-    def packed_from(cls, weight: torch.Tensor, weight_dtype: torch.dtype | None = None) -> Linear:
-        """A packed, bias-free Linear over a copy of ``weight`` [out, in] (a tied LM head)."""
+    def packed_from(cls, weight: torch.Tensor, weight_dtype: torch.dtype | None = None,
+                    scheme: quantization.Scheme | None = None) -> Linear:
+        """A packed, bias-free Linear over a copy of ``weight`` [out, in] (a tied LM head), quantized to ``scheme``
+        if given."""
         linear = cls(weight.shape[1], weight.shape[0], False, weight.dtype, weight.device)
         with torch.no_grad():
             linear.weight.copy_(weight)
+        if scheme is not None:
+            linear.quantized = linear.quantize(scheme)
         linear.pack(weight_dtype)
         return linear
 

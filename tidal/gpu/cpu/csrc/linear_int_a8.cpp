@@ -41,7 +41,9 @@ namespace {
 
 constexpr int64_t kCols = 8;              // output columns per packed block
 constexpr int64_t kXBlock = 32;           // inputs per activation scale
-constexpr int64_t kTaskBytes = 1 << 19;  // weight bytes below which another thread costs more than it saves
+// weight bytes below which a second thread costs more than it saves: one thread streams ~5-6 GB/s here (its
+// integer work, not the memory, bounds it), so even a 768 x 768 int4 weight (295 KB) gains from two
+constexpr int64_t kSplitBytes = 1 << 16;
 
 struct Problem {
   const int8_t* qx;    // [M, K] x quantized
@@ -275,10 +277,9 @@ at::Tensor linear_int_a8(const at::Tensor& x, const at::Tensor& packed, const at
                     offsets.has_value() ? offsets->data_ptr<float>() : nullptr,
                     bias.has_value() ? bias32.data_ptr<float>() : nullptr, out.data_ptr<float>(),
                     m, n, padded_k, bits, group_size, groups};
-    // chunks of whole 4-block tiles, each with enough weight to be worth a thread
-    const int64_t block_bytes = lines * 4 * kCols;
-    const int64_t chunk = std::max<int64_t>(4, (kTaskBytes / std::max<int64_t>(1, block_bytes * ((m + 3) / 4))) / 4 * 4);
-    const int64_t threads = (blocks + chunk - 1) / chunk;
+    // chunks of whole 4-block tiles; every thread joins once the weight is worth a second stream
+    const int64_t weight_bytes = blocks * lines * 4 * kCols * ((m + 3) / 4);
+    const int64_t threads = weight_bytes >= kSplitBytes ? at::get_num_threads() : 1;
     tidal_cpu::parallel_claims(blocks, 4, threads, [&](int64_t begin, int64_t end, int64_t) {
       if (bits == 8) run_blocks<8>(p, begin, end);
       else run_blocks<4>(p, begin, end);
