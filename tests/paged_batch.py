@@ -79,3 +79,27 @@ def build_batch(cache: PagedCache, decodes: list[Sequence], prefills: list[tuple
         prefill_block_tables=tables([seq for seq, _ in prefills]),
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
     )
+
+
+def prompt_logits(model, config: ModelConfig, prompt: list[int]) -> torch.Tensor:
+    """The model's float32 logits at every row of ``prompt``, prefilled in one batch."""
+    cache = PagedCache(config)
+    with torch.inference_mode():
+        batch = build_batch(cache, [], [(Sequence(tokens=list(prompt)), len(prompt))])
+        return model.compute_logits(model(batch, cache.kv_caches))
+
+
+def greedy_tokens(model, config: ModelConfig, prompt: list[int], new_tokens: int) -> list[int]:
+    """The model's greedy continuation of ``prompt``: the prompt's rows in one batch, then one row a step."""
+    cache = PagedCache(config)
+    seq = Sequence(tokens=list(prompt))
+    batch = build_batch(cache, [], [(seq, len(prompt))])
+    out = []
+    with torch.inference_mode():
+        while True:
+            hidden = model(batch, cache.kv_caches)
+            out.append(int(model.compute_logits(hidden[batch.logits_indices])[-1].argmax()))
+            if len(out) == new_tokens:
+                return out
+            seq.tokens.append(out[-1])
+            batch = build_batch(cache, [seq], [])

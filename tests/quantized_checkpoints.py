@@ -64,3 +64,12 @@ def write_compressed(src_dir: str, out_dir: str | os.PathLike, preset: str, fmt:
     ).model_dump(mode="json")
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return str(out)
+
+
+def with_zero_points(weight, seed: int):
+    """``weight`` (a ``QuantizedWeight``) given random zero points of half its integer range, as an asymmetric
+    checkpoint would bring them."""
+    low = -(2 ** (weight.bits - 1))
+    generator = torch.Generator().manual_seed(seed)
+    weight.zero_points = torch.randint(low // 2, -low // 2, weight.scales.shape, generator=generator, dtype=torch.int8)
+    return weight

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_models import hf_greedy, load_hf_model, make_hf_model
-from paged_batch import PagedCache, Sequence, build_batch
+from paged_batch import greedy_tokens, prompt_logits
 from tidal.gpu.model import quantized_linear
 from tidal.gpu.model.attention import TorchPagedAttention
 from tidal.gpu.model.loader import load_model, quantized_weights_note
@@ -39,35 +39,13 @@ def dense_dir(tmp_path_factory):
     return make_hf_model("qwen2", tmp_path_factory.mktemp("qwen2"), seed=3, **SIZES)
 
 
-def prompt_logits(model, config) -> torch.Tensor:
-    cache = PagedCache(config)
-    with torch.inference_mode():
-        batch = build_batch(cache, [], [(Sequence(tokens=list(PROMPT)), len(PROMPT))])
-        return model.compute_logits(model(batch, cache.kv_caches))
-
-
-def greedy(model, config) -> list[int]:
-    cache = PagedCache(config)
-    seq = Sequence(tokens=list(PROMPT))
-    batch = build_batch(cache, [], [(seq, len(PROMPT))])
-    out = []
-    with torch.inference_mode():
-        while True:  # the prompt's rows, then one row a step: both of the kernel's row counts
-            hidden = model(batch, cache.kv_caches)
-            out.append(int(model.compute_logits(hidden[batch.logits_indices])[-1].argmax()))
-            if len(out) == NEW_TOKENS:
-                return out
-            seq.tokens.append(out[-1])
-            batch = build_batch(cache, [seq], [])
-
-
 def assert_matches_transformers(model, config, reference_dir: str) -> None:
     hf = load_hf_model(reference_dir)
     with torch.no_grad():
         expected = hf(torch.tensor([PROMPT])).logits[0].float()
-    torch.testing.assert_close(prompt_logits(model, config).cpu(), expected, rtol=0, atol=1e-3)
+    torch.testing.assert_close(prompt_logits(model, config, PROMPT).cpu(), expected, rtol=0, atol=1e-3)
     tokens = hf_greedy(hf, PROMPT, NEW_TOKENS)
-    assert greedy(model, config) == tokens
+    assert greedy_tokens(model, config, PROMPT, NEW_TOKENS) == tokens
     assert len(set(tokens)) > 1  # the comparison means something only if the output varies
 
 

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quantized_checkpoints import with_zero_points
 from tidal.gpu.model.quantization import PackedInt, QuantizedWeight, Scheme, int_linear_ops, quantize
 
 
@@ -18,13 +19,6 @@ def ops():
     if loaded is None:
         pytest.skip("the int linear kernel needs a CPU with AVX2+FMA and the C++ kernels built")
     return loaded
-
-
-def with_zero_points(weight: QuantizedWeight, seed: int) -> QuantizedWeight:
-    low = -(2 ** (weight.bits - 1))
-    generator = torch.Generator().manual_seed(seed)
-    weight.zero_points = torch.randint(low // 2, -low // 2, weight.scales.shape, generator=generator, dtype=torch.int8)
-    return weight
 
 
 def assert_matches(out: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight, bias) -> None:

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidal.gpu.model.quantization import PackedInt, QuantizedWeight, Scheme, int_linear_ops, quantize
+from quantized_checkpoints import with_zero_points
+from tidal.gpu.model.quantization import PackedInt, Scheme, int_linear_ops, quantize
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +37,6 @@ def _rounded(x: torch.Tensor) -> torch.Tensor:
     inverse = torch.where(top > 0, torch.full_like(top, 127) / torch.where(top > 0, top, 1), 0)
     q = torch.round(blocks * inverse)
     return (q.double() * (top / 127).double()).view_as(x)
-
-
-def with_zero_points(weight: QuantizedWeight, seed: int) -> QuantizedWeight:
-    low = -(2 ** (weight.bits - 1))
-    generator = torch.Generator().manual_seed(seed)
-    weight.zero_points = torch.randint(low // 2, -low // 2, weight.scales.shape, generator=generator, dtype=torch.int8)
-    return weight
 
 
 @settings(max_examples=60, deadline=None)

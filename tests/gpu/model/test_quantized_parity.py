@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_models import hf_greedy, load_hf_model, make_hf_model
-from paged_batch import PagedCache, Sequence, build_batch
+from paged_batch import greedy_tokens, prompt_logits
 from tidal.gpu.model.attention import TorchPagedAttention
 from tidal.gpu.model.loader import load_model
 from tidal.gpu.model.quantization import LM_HEAD_A8, ON_THE_FLY, int_linear_ops, quantize
@@ -68,35 +68,13 @@ def load(model_dir: str, quantize_at_load: str | None = None):
     return load_model(model_dir, torch.float32, torch.device("cpu"), TorchPagedAttention(), quantize=quantize_at_load)
 
 
-def tidal_prompt_logits(model, config) -> torch.Tensor:
-    cache = PagedCache(config)
-    with torch.inference_mode():
-        batch = build_batch(cache, [], [(Sequence(tokens=list(PROMPT)), len(PROMPT))])
-        return model.compute_logits(model(batch, cache.kv_caches))
-
-
-def tidal_greedy(model, config) -> list[int]:
-    cache = PagedCache(config)
-    seq = Sequence(tokens=list(PROMPT))
-    batch = build_batch(cache, [], [(seq, len(PROMPT))])
-    out = []
-    with torch.inference_mode():
-        while True:
-            hidden = model(batch, cache.kv_caches)
-            out.append(int(model.compute_logits(hidden[batch.logits_indices])[-1].argmax()))
-            if len(out) == NEW_TOKENS:
-                return out
-            seq.tokens.append(out[-1])
-            batch = build_batch(cache, [seq], [])
-
-
 def assert_matches_transformers(model, config, reference_dir: str) -> None:
     hf = load_hf_model(reference_dir)
     with torch.no_grad():
         expected = hf(torch.tensor([PROMPT])).logits[0].float()
-    torch.testing.assert_close(tidal_prompt_logits(model, config), expected, rtol=0, atol=1e-3)
+    torch.testing.assert_close(prompt_logits(model, config, PROMPT), expected, rtol=0, atol=1e-3)
     tokens = hf_greedy(hf, PROMPT, NEW_TOKENS)
-    assert tidal_greedy(model, config) == tokens
+    assert greedy_tokens(model, config, PROMPT, NEW_TOKENS) == tokens
     assert len(set(tokens)) > 1  # the comparison means something only if the output varies
 
 
@@ -165,7 +143,7 @@ def test_int8_activations_match_transformers_rounding_the_same_way(dense_dir, tm
             module.register_forward_pre_hook(round_activations_to_int8_blocks)
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0].float()
-    got = tidal_prompt_logits(model, config)
+    got = prompt_logits(model, config, PROMPT)
     # Rounding x is a step function: where tidal's and transformers' float32 inputs (equal to ~1e-7) straddle a
     # rounding boundary, one int8 value differs by one step and moves that row's logits by ~1e-2. So: nearly all
     # logits within 2e-3, none far off, and the rounding of x visible (float activations differ by far more).
@@ -173,7 +151,7 @@ def test_int8_activations_match_transformers_rounding_the_same_way(dense_dir, tm
     assert difference.flatten().quantile(0.9) <= 2e-3 and difference.max() <= 5e-2, difference.max()
     assert (got - float_activations).abs().flatten().quantile(0.9) > 10 * difference.flatten().quantile(0.9)
     tokens = hf_greedy(reference, PROMPT, NEW_TOKENS)
-    assert tidal_greedy(model, config) == tokens and len(set(tokens)) > 1
+    assert greedy_tokens(model, config, PROMPT, NEW_TOKENS) == tokens and len(set(tokens)) > 1
 
 
 def test_quantization_at_load_refuses_an_already_quantized_checkpoint(compressed_dir):
