@@ -112,10 +112,16 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// What a tile prefetches while it computes: the next tile's weight bytes, spread evenly over its blocks of 32 inputs.
+struct Ahead {
+  const char* base = nullptr;
+  int64_t bytes = 0, per_block = 0;  // per_block: bytes to prefetch per block of 32 inputs, whole cache lines
+};
+
 // Rows [row, row + R) by column blocks [block, block + C). Per block of 32 inputs the int32 sums are scaled
 // into the float sums by scale_g * sx_b; per group the offsets take sum_g(x') off.
 template <int R, int C, int BITS>
-TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, int64_t block) {
+TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, int64_t block, Ahead ahead = {}) {
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const int64_t line = BITS == 8 ? p.k * kCols : p.k * kCols / 2;  // bytes of one column block
@@ -128,6 +134,8 @@ TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, 
     __m256 scale[C];
     for (int c = 0; c < C; ++c) scale[c] = _mm256_loadu_ps(p.scales + ((block + c) * p.groups + g) * kCols);
     for (int64_t b = g * per_group; b < std::min(xblocks, (g + 1) * per_group); ++b) {
+      for (int64_t at = b * ahead.per_block; at < std::min(ahead.bytes, (b + 1) * ahead.per_block); at += 64)
+        _mm_prefetch(ahead.base + at, _MM_HINT_T1);
       __m256i acc[C][R];
       for (int c = 0; c < C; ++c)
         for (int r = 0; r < R; ++r) acc[c][r] = _mm256_setzero_si256();
@@ -191,11 +199,30 @@ TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, 
 
 // One row: four column blocks at a time (their loads overlap and x's broadcasts are shared). Several rows: four
 // rows by one block, so each weight vector loaded feeds four rows.
+//
+// At one row the step is a stream of the weight from memory, and the hardware prefetcher alone does not keep
+// it going: a tile reads four streams a few KB long each, which end about when the prefetcher has ramped up, so
+// the tile's arithmetic and the next tile's reads take turns. Each tile prefetches the next four blocks
+// (contiguous with its own) while it computes, up to ahead_end (claims.h): the small model's 49 int4 linears,
+// cold, 2 threads, went from 6.4 to 5.3 ms a step (a plain sum over the same bytes: 3.7 ms), AVX2 host.
 template <int BITS>
-TIDAL_TARGET void run_blocks(const Problem& p, int64_t begin, int64_t end) {
+TIDAL_TARGET void run_blocks(const Problem& p, int64_t begin, int64_t end, int64_t ahead_end) {
   if (p.m == 1) {
+    const int64_t line = BITS == 8 ? p.k * kCols : p.k * kCols / 2;  // bytes of one column block
+    const int64_t xblocks = p.k / kXBlock;
     int64_t block = begin;
-    for (; block + 4 <= end; block += 4) tile<1, 4, BITS>(p, 0, block);
+    for (; block + 4 <= end; block += 4) {
+      Ahead ahead;
+      const int64_t next = std::min<int64_t>(4, ahead_end - (block + 4));
+      if (next > 0) {
+        ahead.base = reinterpret_cast<const char*>(p.w + (block + 4) * line);
+        ahead.bytes = next * line;
+        ahead.per_block = (ahead.bytes / xblocks + 63) / 64 * 64;
+        for (int64_t at = 0; at < next * p.groups * kCols * 4; at += 64)  // and its scales
+          _mm_prefetch(reinterpret_cast<const char*>(p.scales + (block + 4) * p.groups * kCols) + at, _MM_HINT_T1);
+      }
+      tile<1, 4, BITS>(p, 0, block, ahead);
+    }
     for (; block < end; ++block) tile<1, 1, BITS>(p, 0, block);
     return;
   }
@@ -280,9 +307,9 @@ at::Tensor linear_int_a8(const at::Tensor& x, const at::Tensor& packed, const at
     // chunks of whole 4-block tiles; every thread joins once the weight is worth a second stream
     const int64_t weight_bytes = blocks * lines * 4 * kCols * ((m + 3) / 4);
     const int64_t threads = weight_bytes >= kSplitBytes ? at::get_num_threads() : 1;
-    tidal_cpu::parallel_claims(blocks, 4, threads, [&](int64_t begin, int64_t end, int64_t) {
-      if (bits == 8) run_blocks<8>(p, begin, end);
-      else run_blocks<4>(p, begin, end);
+    tidal_cpu::parallel_claims(blocks, 4, threads, [&](int64_t begin, int64_t end, int64_t ahead_end) {
+      if (bits == 8) run_blocks<8>(p, begin, end, ahead_end);
+      else run_blocks<4>(p, begin, end, ahead_end);
     });
   }
 #endif
