@@ -25,7 +25,7 @@ from torch import nn
 from tidal.gpu.forward_batch import ForwardBatch
 from tidal.gpu.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, place_kernel_weights
 from tidal.gpu.model.config import ModelConfig
-from tidal.gpu.model.quantization import PackedInt
+from tidal.gpu.model.quantization import PackedInt, Scheme
 from tidal.gpu.parallel.layers import ParallelGatedMLP, VocabParallelLMHead, VocabShard, attention_projections, head_shard, vocab_parallel_embedding
 
 
@@ -154,7 +154,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = (Linear(config.hidden_size, config.vocab_size, False, dtype, device) if tp is None
                             else VocabParallelLMHead(config.hidden_size, self.vocab, dtype, device))
         self._packed_lm_head: Linear | None = None
-        self.lm_head_scheme = None  # a quantization.Scheme for the LM head (w8a8/w4a8), applied by pack_weights
         self._decoder_stack = None  # the layers as one C++ call, once packed where it can run (_build_decoder_stack)
         self._stack_max_rows: int | None = None  # rows up to which its linears run (None: any)
         attn = self.model.layers[0].self_attn
@@ -212,12 +211,13 @@ class LlamaForCausalLM(nn.Module):
             return logits
         return self.tp.gather_vocab(logits, self.config.vocab_size)
 
-    def pack_weights(self, weight_dtype: torch.dtype | None = None) -> None:
+    def pack_weights(self, weight_dtype: torch.dtype | None = None, lm_head_scheme: Scheme | None = None) -> None:
         """Pack every matmul weight once, after loading (``Linear.pack``: the AVX512-BF16 kernel's layout
         where the CPU has it, else oneDNN's; a float32 model with ``weight_dtype=torch.bfloat16``: the
-        AVX2 kernel's bf16 layout)."""
-        if self.lm_head_scheme is not None and not self.config.tie_word_embeddings:
-            self.lm_head.quantized = self.lm_head.quantize(self.lm_head_scheme)
+        AVX2 kernel's bf16 layout). ``lm_head_scheme``: the scheme the LM head is rounded to
+        (w8a8/w4a8), or None to keep it dense."""
+        if lm_head_scheme is not None and not self.config.tie_word_embeddings:
+            self.lm_head.quantized = self.lm_head.quantize(lm_head_scheme)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(weight_dtype)
@@ -225,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
             self._packed_lm_head = None  # a GPU multiplies the plain table: no copy
         elif self.config.tie_word_embeddings:
             # the embedding lookup still needs the plain table: the head gets its own packed copy
-            self._packed_lm_head = Linear.packed_from(self.model.embed_tokens, weight_dtype, self.lm_head_scheme)
+            self._packed_lm_head = Linear.packed_from(self.model.embed_tokens, weight_dtype, lm_head_scheme)
         else:
             self._packed_lm_head = self.lm_head
         place_kernel_weights([m for m in self.modules() if isinstance(m, Linear)])

@@ -74,17 +74,18 @@ def load_model(
     model.eval()
     named_linears = [(f"model.layers.{name}", m) for name, m in model.model.layers.named_modules() if isinstance(m, Linear)]
     decoder_linears = [m for _, m in named_linears]
+    lm_head_scheme = None
     if quantize == "fp8":
         quantized_linear.quantize_fp8_linears(decoder_linears)
     elif quantize is not None:  # tensor-parallel: each rank rounds its own shard (Linear.quantize)
         quantization.quantize_linears(named_linears, quantization.ON_THE_FLY[quantize])
         if quantization.ON_THE_FLY[quantize].activation_bits == 8 and tp is None:
-            model.lm_head_scheme = quantization.LM_HEAD_A8
+            lm_head_scheme = quantization.LM_HEAD_A8
     elif checkpoint is not None and (checkpoint.keeps_integers or checkpoint.keeps_fp8):
         checkpoint.attach(dict(model.named_modules()))
-    if (any(linear.quantized is not None for linear in decoder_linears) or model.lm_head_scheme is not None
+    if (any(linear.quantized is not None for linear in decoder_linears) or lm_head_scheme is not None
             or packs_weights(dtype, device, linear_weights)):
-        model.pack_weights(linear_weights if linear_weights != dtype else None)
+        model.pack_weights(linear_weights if linear_weights != dtype else None, lm_head_scheme)
     return model, config
 
 
