@@ -45,6 +45,9 @@ constexpr int64_t kXBlock = 32;           // inputs per activation scale
 // integer work, not the memory, bounds it), so even a 768 x 768 int4 weight (295 KB) gains from two
 constexpr int64_t kSplitBytes = 1 << 16;
 
+// Bytes of one packed column block: 8 columns of K (padded) int8 or int4 weights.
+inline int64_t block_bytes(int64_t k, int64_t bits) { return bits == 8 ? k * kCols : k * kCols / 2; }
+
 struct Problem {
   const int8_t* qx;    // [M, K] x quantized
   const float* sx;     // [M, K / 32] its scales
@@ -124,7 +127,7 @@ template <int R, int C, int BITS>
 TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, int64_t block, Ahead ahead = {}) {
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const int64_t line = BITS == 8 ? p.k * kCols : p.k * kCols / 2;  // bytes of one column block
+  const int64_t line = block_bytes(p.k, BITS);
   const int64_t xblocks = p.k / kXBlock, per_group = p.group_size / kXBlock;
   const uint8_t* w = p.w + block * line;
   __m256 y[C][R];
@@ -208,7 +211,7 @@ TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, 
 template <int BITS>
 TIDAL_TARGET void run_blocks(const Problem& p, int64_t begin, int64_t end, int64_t ahead_end) {
   if (p.m == 1) {
-    const int64_t line = BITS == 8 ? p.k * kCols : p.k * kCols / 2;  // bytes of one column block
+    const int64_t line = block_bytes(p.k, BITS);
     const int64_t xblocks = p.k / kXBlock;
     int64_t block = begin;
     for (; block + 4 <= end; block += 4) {
@@ -218,7 +221,7 @@ TIDAL_TARGET void run_blocks(const Problem& p, int64_t begin, int64_t end, int64
         ahead.base = reinterpret_cast<const char*>(p.w + (block + 4) * line);
         ahead.bytes = next * line;
         ahead.per_block = (ahead.bytes / xblocks + 63) / 64 * 64;
-        for (int64_t at = 0; at < next * p.groups * kCols * 4; at += 64)  // and its scales
+        for (int64_t at = 0; at < next * p.groups * kCols * int64_t(sizeof(float)); at += 64)  // and its scales
           _mm_prefetch(reinterpret_cast<const char*>(p.scales + (block + 4) * p.groups * kCols) + at, _MM_HINT_T1);
       }
       tile<1, 4, BITS>(p, 0, block, ahead);
@@ -305,7 +308,7 @@ at::Tensor linear_int_a8(const at::Tensor& x, const at::Tensor& packed, const at
                     bias.has_value() ? bias32.data_ptr<float>() : nullptr, out.data_ptr<float>(),
                     m, n, padded_k, bits, group_size, groups};
     // chunks of whole 4-block tiles; every thread joins once the weight is worth a second stream
-    const int64_t weight_bytes = blocks * lines * 4 * kCols * ((m + 3) / 4);
+    const int64_t weight_bytes = blocks * block_bytes(padded_k, bits) * ((m + 3) / 4);
     const int64_t threads = weight_bytes >= kSplitBytes ? at::get_num_threads() : 1;
     tidal_cpu::parallel_claims(blocks, 4, threads, [&](int64_t begin, int64_t end, int64_t ahead_end) {
       if (bits == 8) run_blocks<8>(p, begin, end, ahead_end);
