@@ -32,6 +32,7 @@ struct StackLinear {
   int64_t bits = 0, group_size = 0, activation_bits = 16;
   at::Tensor scales;
   std::optional<at::Tensor> offsets;
+  std::optional<A8Linear> a8;  // int8 activations: the weight checked once, run without a tensor per call
 };
 
 struct StackLayer {
@@ -97,6 +98,9 @@ class DecoderStack : public torch::CustomClassHolder {
         linears[j]->bits = params[i * 12 + j * 3];
         linears[j]->group_size = params[i * 12 + j * 3 + 1];
         linears[j]->activation_bits = params[i * 12 + j * 3 + 2];
+        if (linears[j]->activation_bits == 8)
+          linears[j]->a8 = a8_linear(t[0], t[1], linears[j]->offsets, linears[j]->n, input_features(i, j),
+                                     linears[j]->bits, linears[j]->group_size, linears[j]->bias);
       }
     }
   }
@@ -121,11 +125,12 @@ class DecoderStack : public torch::CustomClassHolder {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "expected ", layers_.size(),
                 " k and v caches");
     const int64_t rows = residual.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    at::Tensor qkv_out, o_out, gate_up_out, down_out;  // each linear's output, made once and reused by every layer
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& layer = layers_[i];
       // attention: norm(residual + out), qkv, (q/k norms), rotary, cache write, paged attention, o_proj
       at::Tensor x = add_rms_norm_(residual, out, layer.input_norm, eps_);
-      const at::Tensor qkv = linear(x, layer.qkv);
+      const at::Tensor qkv = linear(x, layer.qkv, qkv_out);
       at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});
       at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads_, head_dim_});
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads_, head_dim_});
@@ -136,12 +141,33 @@ class DecoderStack : public torch::CustomClassHolder {
       rotary_(q, k, cos, sin);
       write_kv_cache_(k, v, k_caches[i], v_caches[i], slot_mapping);
       const at::Tensor attended = paged_decode_attention(q, k_caches[i], v_caches[i], tables, lens, scale_);
-      out = linear(attended.view({rows, q_size}), layer.o);
+      out = linear(attended.view({rows, q_size}), layer.o, o_out);
       // MLP: norm(residual + out), gate_up, SiLU-and-mul, down
       x = add_rms_norm_(residual, out, layer.post_attention_norm, eps_);
-      out = linear(silu_and_mul(linear(x, layer.gate_up)), layer.down);
+      out = linear(silu_and_mul(linear(x, layer.gate_up, gate_up_out)), layer.down, down_out);
     }
     return out;
+  }
+
+  // K of layer i's j-th linear (qkv, o, gate_up, down)
+  int64_t input_features(size_t i, int j) const {
+    const int64_t hidden = embed_.size(1);
+    switch (j) {
+      case 0: return hidden;
+      case 1: return num_heads_ * head_dim_;
+      case 2: return hidden;
+      default: return layers_[i].gate_up.n / 2;
+    }
+  }
+
+  // x @ w into `buffer` (made at the first call of a forward) where the int8-activation kernel can write it
+  // there; otherwise a new tensor from the op.
+  at::Tensor linear(const at::Tensor& x, const StackLinear& w, at::Tensor& buffer) const {
+    if (!w.a8.has_value() || x.scalar_type() != at::kFloat || x.dim() != 2 || !x.is_contiguous() || x.size(1) != w.a8->k)
+      return linear(x, w);
+    if (!buffer.defined()) buffer = at::empty({x.size(0), w.n}, x.options());
+    linear_int_a8_into(x.data_ptr<float>(), x.size(0), *w.a8, buffer.data_ptr<float>());
+    return buffer;
   }
 
   at::Tensor linear(const at::Tensor& x, const StackLinear& w) const {

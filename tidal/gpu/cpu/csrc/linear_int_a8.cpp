@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace tidal_cpu {
 namespace {
@@ -84,9 +85,9 @@ TIDAL_TARGET void quantize_row(const float* x, int64_t k, int64_t group_size, in
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b * kXBlock < k; ++b) {
     const float* p = x + b * kXBlock;
-    alignas(32) float tail[kXBlock] = {};
+    alignas(32) float tail[kXBlock];
     if ((b + 1) * kXBlock > k) {
-      std::copy(p, x + k, tail);
+      std::fill(std::copy(p, x + k, tail), tail + kXBlock, 0.0f);
       p = tail;
     }
     __m256 v[4];
@@ -190,6 +191,11 @@ TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, 
   }
   for (int c = 0; c < C; ++c) {
     const int64_t col = (block + c) * kCols, valid = std::min<int64_t>(kCols, p.n - col);
+    if (valid == kCols) {  // a whole block: one vector store per row, not a copy through the stack
+      const __m256 bias = p.bias != nullptr ? _mm256_loadu_ps(p.bias + col) : _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) _mm256_storeu_ps(p.out + (row + r) * p.n + col, _mm256_add_ps(y[c][r], bias));
+      continue;
+    }
     alignas(32) float bias[kCols] = {};
     if (p.bias != nullptr) std::copy(p.bias + col, p.bias + col + valid, bias);
     for (int r = 0; r < R; ++r) {
@@ -255,15 +261,12 @@ bool linear_int_a8_supported() {
 #endif
 }
 
-at::Tensor linear_int_a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                         const std::optional<at::Tensor>& offsets, int64_t n, int64_t bits, int64_t group_size,
-                         const std::optional<at::Tensor>& bias) {
+A8Linear a8_linear(const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
+                   int64_t n, int64_t k, int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias) {
   static const bool supported = linear_int_a8_supported();
   TORCH_CHECK(supported, "int8 activations need a CPU with AVX2 and FMA");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "x must be a float32 or bf16 CPU tensor");
   TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
-  const int64_t k = x.size(-1), blocks = (n + kCols - 1) / kCols;
+  const int64_t blocks = (n + kCols - 1) / kCols;
   // K is padded to whole blocks of 32 (the packed weight with zeros); groups of inputs are whole blocks
   const int64_t padded_k = (k + kXBlock - 1) / kXBlock * kXBlock;
   if (group_size >= k) group_size = padded_k;  // one scale per output channel
@@ -287,35 +290,52 @@ at::Tensor linear_int_a8(const at::Tensor& x, const at::Tensor& packed, const at
     TORCH_CHECK(bias->numel() == n, "bias must have N=", n, " values");
     bias32 = bias->to(at::kFloat).contiguous();
   }
+  return A8Linear{packed, scales, offsets.has_value() ? *offsets : at::Tensor(), bias32,
+                  n, k, padded_k, bits, group_size, groups};
+}
+
+void linear_int_a8_into(const float* x, int64_t m, const A8Linear& w, float* out) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (m <= 0 || w.n <= 0) return;
+  // x rounded to int8 blocks: per-thread buffers reused across calls, since at batch 1 three allocations
+  // cost about as much as a small layer's arithmetic
+  thread_local std::vector<int8_t> qx;
+  thread_local std::vector<float> sx, sumx;
+  qx.resize(m * w.padded_k);
+  sx.resize(m * (w.padded_k / kXBlock));
+  sumx.assign(m * w.groups, 0.0f);
+  for (int64_t r = 0; r < m; ++r)
+    quantize_row(x + r * w.k, w.k, w.group_size, qx.data() + r * w.padded_k, sx.data() + r * (w.padded_k / kXBlock),
+                 sumx.data() + r * w.groups);
+  const Problem p{qx.data(), sx.data(), sumx.data(), static_cast<const uint8_t*>(w.packed.data_ptr()),
+                  w.scales.data_ptr<float>(), w.offsets.defined() ? w.offsets.data_ptr<float>() : nullptr,
+                  w.bias.defined() ? w.bias.data_ptr<float>() : nullptr, out,
+                  m, w.n, w.padded_k, w.bits, w.group_size, w.groups};
+  // chunks of whole 4-block tiles; every thread joins once the weight is worth a second stream
+  const int64_t blocks = (w.n + kCols - 1) / kCols;
+  const int64_t weight_bytes = blocks * block_bytes(w.padded_k, w.bits) * ((m + 3) / 4);
+  const int64_t threads = weight_bytes >= kSplitBytes ? at::get_num_threads() : 1;
+  tidal_cpu::parallel_claims(blocks, 4, threads, [&](int64_t begin, int64_t end, int64_t ahead_end) {
+    if (w.bits == 8) run_blocks<8>(p, begin, end, ahead_end);
+    else run_blocks<4>(p, begin, end, ahead_end);
+  });
+#endif
+}
+
+at::Tensor linear_int_a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& offsets, int64_t n, int64_t bits, int64_t group_size,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a float32 or bf16 CPU tensor");
+  const int64_t k = x.size(-1);
+  const A8Linear w = a8_linear(packed, scales, offsets, n, k, bits, group_size, bias);
   at::Tensor rows = x.reshape({-1, k});
   if (rows.scalar_type() != at::kFloat || !rows.is_contiguous()) rows = rows.to(at::kFloat).contiguous();
   const int64_t m = rows.size(0);
   at::Tensor out = at::empty({m, n}, rows.options());
+  linear_int_a8_into(rows.data_ptr<float>(), m, w, out.data_ptr<float>());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-#if defined(__x86_64__) || defined(__i386__)
-  if (m > 0 && n > 0) {
-    at::Tensor qx = at::empty({m, padded_k}, rows.options().dtype(at::kChar));
-    at::Tensor sx = at::empty({m, padded_k / kXBlock}, rows.options());
-    at::Tensor sumx = at::zeros({m, groups}, rows.options());
-    const float* xs = rows.data_ptr<float>();
-    for (int64_t r = 0; r < m; ++r)
-      quantize_row(xs + r * k, k, group_size, qx.data_ptr<int8_t>() + r * padded_k,
-                   sx.data_ptr<float>() + r * (padded_k / kXBlock), sumx.data_ptr<float>() + r * groups);
-    const Problem p{qx.data_ptr<int8_t>(), sx.data_ptr<float>(), sumx.data_ptr<float>(),
-                    static_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr<float>(),
-                    offsets.has_value() ? offsets->data_ptr<float>() : nullptr,
-                    bias.has_value() ? bias32.data_ptr<float>() : nullptr, out.data_ptr<float>(),
-                    m, n, padded_k, bits, group_size, groups};
-    // chunks of whole 4-block tiles; every thread joins once the weight is worth a second stream
-    const int64_t weight_bytes = blocks * block_bytes(padded_k, bits) * ((m + 3) / 4);
-    const int64_t threads = weight_bytes >= kSplitBytes ? at::get_num_threads() : 1;
-    tidal_cpu::parallel_claims(blocks, 4, threads, [&](int64_t begin, int64_t end, int64_t ahead_end) {
-      if (bits == 8) run_blocks<8>(p, begin, end, ahead_end);
-      else run_blocks<4>(p, begin, end, ahead_end);
-    });
-  }
-#endif
   out = out.view(shape);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }

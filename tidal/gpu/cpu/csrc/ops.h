@@ -27,6 +27,15 @@ at::Tensor linear_int(const at::Tensor& x, const at::Tensor& packed, const at::T
 at::Tensor linear_int_a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                          const std::optional<at::Tensor>& offsets, int64_t n, int64_t bits, int64_t group_size,
                          const std::optional<at::Tensor>& bias);
+// The same weight checked once, for a caller that runs it at every step (decoder_stack.cpp): x [m, k] float32
+// rows in, out [m, n] float32 written, no tensor made per call. offsets and bias: undefined when absent.
+struct A8Linear {
+  at::Tensor packed, scales, offsets, bias;
+  int64_t n, k, padded_k, bits, group_size, groups;
+};
+A8Linear a8_linear(const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
+                   int64_t n, int64_t k, int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias);
+void linear_int_a8_into(const float* x, int64_t m, const A8Linear& w, float* out);
 
 // paged_decode.cpp
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
