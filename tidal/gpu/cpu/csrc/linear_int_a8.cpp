@@ -42,9 +42,11 @@ namespace {
 
 constexpr int64_t kCols = 8;              // output columns per packed block
 constexpr int64_t kXBlock = 32;           // inputs per activation scale
-// weight bytes below which a second thread costs more than it saves: one thread streams ~5-6 GB/s here (its
-// integer work, not the memory, bounds it), so even a 768 x 768 int4 weight (295 KB) gains from two
-constexpr int64_t kSplitBytes = 1 << 16;
+// Multiply-adds (rows x N x K) below which a second thread costs more than it saves. One thread does ~10-30
+// G/s here (its integer work, not the memory, bounds it), so a 768 x 768 linear at one row (590 K, ~40 us)
+// gains from two; a 256-wide model's layers (at most 256 x 1376 = 352 K, ~15 us) do not: there the fork and
+// join, and the spinning thread that shares two cores with the HTTP frontend and the client, cost more.
+constexpr int64_t kSplitWork = 1 << 19;
 
 // Bytes of one packed column block: 8 columns of K (padded) int8 or int4 weights.
 inline int64_t block_bytes(int64_t k, int64_t bits) { return bits == 8 ? k * kCols : k * kCols / 2; }
@@ -311,10 +313,9 @@ void linear_int_a8_into(const float* x, int64_t m, const A8Linear& w, float* out
                   w.scales.data_ptr<float>(), w.offsets.defined() ? w.offsets.data_ptr<float>() : nullptr,
                   w.bias.defined() ? w.bias.data_ptr<float>() : nullptr, out,
                   m, w.n, w.padded_k, w.bits, w.group_size, w.groups};
-  // chunks of whole 4-block tiles; every thread joins once the weight is worth a second stream
+  // chunks of whole 4-block tiles; every thread joins once the work is worth a second thread
   const int64_t blocks = (w.n + kCols - 1) / kCols;
-  const int64_t weight_bytes = blocks * block_bytes(w.padded_k, w.bits) * ((m + 3) / 4);
-  const int64_t threads = weight_bytes >= kSplitBytes ? at::get_num_threads() : 1;
+  const int64_t threads = m * w.n * w.padded_k >= kSplitWork ? at::get_num_threads() : 1;
   tidal_cpu::parallel_claims(blocks, 4, threads, [&](int64_t begin, int64_t end, int64_t ahead_end) {
     if (w.bits == 8) run_blocks<8>(p, begin, end, ahead_end);
     else run_blocks<4>(p, begin, end, ahead_end);
