@@ -42,10 +42,10 @@ namespace {
 
 constexpr int64_t kCols = 8;              // output columns per packed block
 constexpr int64_t kXBlock = 32;           // inputs per activation scale
-// Multiply-adds (rows x N x K) below which a second thread costs more than it saves. One thread does ~10-30
-// G/s here (its integer work, not the memory, bounds it), so a 768 x 768 linear at one row (590 K, ~40 us)
-// gains from two; a 256-wide model's layers (at most 256 x 1376 = 352 K, ~15 us) do not: there the fork and
-// join, and the spinning thread that shares two cores with the HTTP frontend and the client, cost more.
+// Multiply-adds (rows x N x K) below which a second thread costs more than it saves. Timed from Python at one
+// row (AVX2 host): a 768 x 768 linear (590 K) takes 34-39 us on one thread and 24-29 on two; a 256-wide
+// model's largest layer (256 x 1376 = 352 K) 24-32 us on one, no less on two, and there the fork and join and
+// the worker spinning on a core the HTTP frontend and the client need cost more than they save.
 constexpr int64_t kSplitWork = 1 << 19;
 
 // Bytes of one packed column block: 8 columns of K (padded) int8 or int4 weights.
