@@ -3,6 +3,7 @@
 # llama.cpp Q8_0 vs tidal w8a8 and int8, llama.cpp Q4_0 vs tidal w4a8 and int4, on the tiny and small anchor models.
 #   bash benchmarks/quantized_side_by_side.sh            # needs ../shared/anchors/llama_cpp_anchor.sh run once
 #   MODELS="small" PAIRS="q8_0" bash benchmarks/quantized_side_by_side.sh
+#   ROWS="1:24" WARM="1:8" SCHEMES="w8a8 w4a8" bash benchmarks/quantized_side_by_side.sh   # c=1 rows, int8 activations only
 # Rows and warm-up as ../shared/anchors/side_by_side.sh and llama_cpp_anchor.sh (vllm bench serve, openai-chat,
 # random 128 in / 128 out, --ignore-eos). Appends JSON lines to $OUT and prints a table. Needs a quiet machine.
 set -u
@@ -16,12 +17,14 @@ OUT=${OUT:-$PWD/quantized_side_by_side.jsonl}
 echo "host: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores, flags: $(grep -o -w -E 'avx2|avx512f|avx512_vnni|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')"
 for m in ${MODELS:-tiny small}; do
   if [ "$m" = tiny ]; then rows="1:48,64:256"; warm="64:128"; np=64; ctx=32768; else rows="1:8,16:64"; warm="16:32"; np=16; ctx=8192; fi
+  rows=${ROWS:-$rows}; warm=${WARM:-$warm}
   for pair in ${PAIRS:-q8_0 q4_0}; do
     if [ "$pair" = q8_0 ]; then schemes="w8a8 int8"; else schemes="w4a8 int4"; fi
     "$PY" "$ANCHOR_TOOLS/side_by_side.py" --name "llama.cpp-$pair" --model "$A/models/$m" --port 18500 --rows "$rows" \
       --warm "$warm" --out "$OUT" --bench-python "$PY" \
       --serve "$LLAMA -m $A/gguf/$m-$pair.gguf --host 127.0.0.1 --port 18500 -c $ctx -np $np -t 2 --jinja --alias $A/models/$m"
     for q in $schemes; do
+      case " ${SCHEMES:-$schemes} " in *" $q "*) ;; *) continue ;; esac
       "$PY" "$ANCHOR_TOOLS/side_by_side.py" --name "tidal-$q" --model "$A/models/$m" --port 18600 --rows "$rows" \
         --warm "$warm" --out "$OUT" --bench-python "$PY" \
         --serve "$TIDAL serve --model $A/models/$m --served-model-name $A/models/$m --host 127.0.0.1 --port 18600 --quantization $q"
