@@ -6,17 +6,23 @@
 // microseconds: on the 12-layer "small" model that was ~0.7 ms of a ~6.5 ms step, on top of
 // the weight reads the step is bound by. Here the same kernels run in the same order with the same
 // arguments, called directly: the result is bitwise the Python layers' (tests/gpu/cpu/test_decoder_stack.py).
-// The embedding and the final norm run here too, as the same ATen and tidal ops the Python forward calls:
-// each Python call costs ~50-100 us at decode, where the weight stream has just evicted the interpreter's
-// and dispatcher's state from the caches. The rotary angles come from RotaryEmbedding.cos_sin, their one
-// owner. Other devices and batches stay in Python.
+// The embedding and the final norm run here too: each Python call costs ~50-100 us at decode, where the
+// weight stream has just evicted the interpreter's and dispatcher's state from the caches.
+//
+// The arguments are checked once per forward; the layers then call the kernels on raw rows (ops.h's
+// *_rows functions) with their outputs in buffers kept across forwards. A tensor op per kernel cost its
+// checks, an output tensor and a dispatch: at one row of the 4-layer "tiny" model, ~100 of a ~230 us
+// forward. The rotary angles come from RotaryEmbedding.cos_sin, their one owner. Other devices and
+// batches stay in Python.
 
 #include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -110,43 +116,132 @@ class DecoderStack : public torch::CustomClassHolder {
   // tables/lens: each row's block table and attended length (TorchPagedAttention.kernel_rows).
   at::Tensor forward(at::Tensor input_ids, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping, at::Tensor tables,
                      at::Tensor lens, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
-    at::Tensor residual = at::embedding(embed_, input_ids);
-    at::Tensor out = layers(residual, at::zeros_like(residual), cos, sin, slot_mapping, tables, lens, k_caches, v_caches);
-    return add_rms_norm_(residual, out, final_norm_, eps_);
+    if (embed_.scalar_type() == at::kFloat)
+      return run<float>(input_ids, cos, sin, slot_mapping, tables, lens, k_caches, v_caches);
+    TORCH_CHECK(embed_.scalar_type() == at::kBFloat16, "the stack runs float32 or bfloat16 activations");
+    return run<c10::BFloat16>(input_ids, cos, sin, slot_mapping, tables, lens, k_caches, v_caches);
   }
 
  private:
-  // Every layer over the rows. residual [T, hidden] is updated in place as the Python layers update it;
-  // out is the last sublayer's output before the final norm's residual add (zeros for the first layer),
-  // and the new one is returned.
-  at::Tensor layers(at::Tensor& residual, at::Tensor out, const at::Tensor& cos, const at::Tensor& sin,
-                    const at::Tensor& slot_mapping, const at::Tensor& tables, const at::Tensor& lens,
-                    std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches) {
+  // Every argument is checked here, once: the layers then run the kernels on raw rows, without a tensor
+  // or a dispatcher call per op (at one row those cost as much as the kernels).
+  template <typename T>
+  at::Tensor run(const at::Tensor& input_ids, const at::Tensor& cos, const at::Tensor& sin,
+                 const at::Tensor& slot_mapping, const at::Tensor& tables, const at::Tensor& lens,
+                 const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches) {
+    const at::ScalarType dtype = embed_.scalar_type();
+    TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && input_ids.is_contiguous(),
+                "input_ids must be [T] int64");
+    const int64_t rows = input_ids.size(0), hidden = embed_.size(1), vocab = embed_.size(0);
+    TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == rows && cos.size(1) == head_dim_ &&
+                    cos.stride(1) == 1 && sin.stride(1) == 1 && cos.stride(0) == sin.stride(0) &&
+                    cos.scalar_type() == dtype && sin.scalar_type() == dtype,
+                "cos and sin must be [T, head_dim] rows of the activations' dtype");
+    TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == rows && slot_mapping.scalar_type() == at::kLong &&
+                    slot_mapping.is_contiguous(),
+                "slot_mapping must be [T] int64");
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "expected ", layers_.size(),
                 " k and v caches");
-    const int64_t rows = residual.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    at::Tensor qkv_out, o_out, gate_up_out, down_out;  // each linear's output, made once and reused by every layer
+    const at::Tensor& first = k_caches[0];
+    TORCH_CHECK(first.dim() == 4 && first.size(2) == num_kv_heads_ && first.size(3) == head_dim_,
+                "caches must be [num_blocks, block_size, num_kv_heads, head_dim]");
+    for (size_t i = 0; i < layers_.size(); ++i)
+      TORCH_CHECK(k_caches[i].sizes() == first.sizes() && v_caches[i].sizes() == first.sizes() &&
+                      k_caches[i].is_contiguous() && v_caches[i].is_contiguous() &&
+                      k_caches[i].scalar_type() == dtype && v_caches[i].scalar_type() == dtype,
+                  "layer ", i, "'s caches must be contiguous, of the first's shape and the activations' dtype");
+    const int64_t block_size = first.size(1), num_slots = first.size(0) * block_size;
+    const std::vector<int64_t> lengths = checked_lengths(tables, lens, rows, block_size, first.size(0));
+    const int64_t* ids = input_ids.data_ptr<int64_t>();
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    for (int64_t t = 0; t < rows; ++t) {  // all checked before any write: a bad row leaves the cache as it was
+      TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "row ", t, " has token id ", ids[t], " outside the vocabulary");
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "row ", t, " names slot ", slots[t], " outside the cache");
+    }
+
+    T* residual = buffer<T>(residual_, rows * hidden);
+    const T* embed = embed_.data_ptr<T>();
+    for (int64_t t = 0; t < rows; ++t) std::memcpy(residual + t * hidden, embed + ids[t] * hidden, hidden * sizeof(T));
+    T* zeros = buffer<T>(zeros_, rows * hidden);  // the first layer's "+ out" adds nothing
+    std::memset(static_cast<void*>(zeros), 0, rows * hidden * sizeof(T));
+    const T* out = layers<T>(residual, zeros, rows, cos.data_ptr<T>(), sin.data_ptr<T>(), cos.stride(0), slots,
+                             tables.data_ptr<int32_t>(), tables.stride(0), lengths, block_size, k_caches, v_caches);
+    at::Tensor normed = at::empty({rows, hidden}, embed_.options());
+    add_rms_norm_rows<T>(residual, out, final_norm_.data_ptr<T>(), rows, hidden, static_cast<float>(eps_),
+                         normed.data_ptr<T>());
+    return normed;
+  }
+
+  // Every layer over the rows, as the Python layers run them: residual [T, hidden] is updated in place; out is
+  // the last sublayer's output (zeros for the first layer), and the new one is returned.
+  template <typename T>
+  const T* layers(T* residual, const T* out, int64_t rows, const T* cos, const T* sin, int64_t cs_stride,
+                  const int64_t* slots, const int32_t* tables, int64_t table_stride, const std::vector<int64_t>& lengths,
+                  int64_t block_size, const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches) {
+    const int64_t hidden = embed_.size(1), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const float eps = static_cast<float>(eps_);
+    T* normed = buffer<T>(normed_, rows * hidden);
+    T* attended = buffer<T>(attended_, rows * q_size);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& layer = layers_[i];
       // attention: norm(residual + out), qkv, (q/k norms), rotary, cache write, paged attention, o_proj
-      at::Tensor x = add_rms_norm_(residual, out, layer.input_norm, eps_);
-      const at::Tensor qkv = linear(x, layer.qkv, qkv_out);
-      at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});
-      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads_, head_dim_});
-      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads_, head_dim_});
+      add_rms_norm_rows<T>(residual, out, layer.input_norm.data_ptr<T>(), rows, hidden, eps, normed);
+      T* q = linear<T>(normed, rows, hidden, layer.qkv, qkv_);
+      T* k = q + q_size;
+      const T* v = k + kv_size;
+      const int64_t qkv_n = layer.qkv.n;
       if (layer.q_norm.has_value()) {
-        q = rms_norm(q, *layer.q_norm, eps_);
-        k = rms_norm(k, *layer.k_norm, eps_);
+        rms_norm_heads_<T>(q, rows, num_heads_, head_dim_, qkv_n, layer.q_norm->data_ptr<T>(), eps);
+        rms_norm_heads_<T>(k, rows, num_kv_heads_, head_dim_, qkv_n, layer.k_norm->data_ptr<T>(), eps);
       }
-      rotary_(q, k, cos, sin);
-      write_kv_cache_(k, v, k_caches[i], v_caches[i], slot_mapping);
-      const at::Tensor attended = paged_decode_attention(q, k_caches[i], v_caches[i], tables, lens, scale_);
-      out = linear(attended.view({rows, q_size}), layer.o, o_out);
+      rotary_rows_<T>(q, rows, num_heads_, head_dim_, qkv_n, cos, sin, cs_stride);
+      rotary_rows_<T>(k, rows, num_kv_heads_, head_dim_, qkv_n, cos, sin, cs_stride);
+      T* k_cache = k_caches[i].data_ptr<T>();
+      T* v_cache = v_caches[i].data_ptr<T>();
+      for (int64_t t = 0; t < rows; ++t) {
+        std::memcpy(k_cache + slots[t] * kv_size, k + t * qkv_n, kv_size * sizeof(T));
+        std::memcpy(v_cache + slots[t] * kv_size, v + t * qkv_n, kv_size * sizeof(T));
+      }
+      paged_decode_rows<T>(q, qkv_n, head_dim_, num_heads_, k_cache, v_cache, block_size, num_kv_heads_, head_dim_,
+                           tables, table_stride, lengths, static_cast<float>(scale_), attended);
+      out = linear<T>(attended, rows, q_size, layer.o, o_);
       // MLP: norm(residual + out), gate_up, SiLU-and-mul, down
-      x = add_rms_norm_(residual, out, layer.post_attention_norm, eps_);
-      out = linear(silu_and_mul(linear(x, layer.gate_up, gate_up_out)), layer.down, down_out);
+      add_rms_norm_rows<T>(residual, out, layer.post_attention_norm.data_ptr<T>(), rows, hidden, eps, normed);
+      const T* gate_up = linear<T>(normed, rows, hidden, layer.gate_up, gate_up_);
+      const int64_t intermediate = layer.gate_up.n / 2;
+      T* activated = buffer<T>(activated_, rows * intermediate);
+      silu_and_mul_rows<T>(gate_up, rows, intermediate, layer.gate_up.n, activated);
+      out = linear<T>(activated, rows, intermediate, layer.down, down_);
     }
     return out;
+  }
+
+  // Where a linear kind writes: one buffer reused by every layer and forward (the int8-activation kernel writes
+  // into it), or the op's new tensor, held until that kind's next call.
+  struct LinearOut {
+    at::Tensor buffer, result;
+  };
+
+  // x [rows, k] @ w: the output's rows, contiguous.
+  template <typename T>
+  T* linear(T* x, int64_t rows, int64_t k, const StackLinear& w, LinearOut& out) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (w.a8.has_value()) {
+        T* y = buffer<T>(out.buffer, rows * w.n);
+        linear_int_a8_into(x, rows, *w.a8, y);
+        return y;
+      }
+    }
+    out.result = linear(at::from_blob(x, {rows, k}, embed_.options()), w);
+    return out.result.template data_ptr<T>();
+  }
+
+  // At least `numel` elements of the activations' dtype in `b`, kept for the next forward (the stack runs one
+  // forward at a time: the engine's step loop). It grows to the largest batch's rows; prefill chunks bound it.
+  template <typename T>
+  T* buffer(at::Tensor& b, int64_t numel) {
+    if (!b.defined() || b.numel() < numel) b = at::empty({numel}, embed_.options());
+    return b.template data_ptr<T>();
   }
 
   // K of layer i's j-th linear (qkv, o, gate_up, down)
@@ -160,16 +255,6 @@ class DecoderStack : public torch::CustomClassHolder {
     }
   }
 
-  // x @ w into `buffer` (made at the first call of a forward) where the int8-activation kernel can write it
-  // there; otherwise a new tensor from the op.
-  at::Tensor linear(const at::Tensor& x, const StackLinear& w, at::Tensor& buffer) const {
-    if (!w.a8.has_value() || x.scalar_type() != at::kFloat || x.dim() != 2 || !x.is_contiguous() || x.size(1) != w.a8->k)
-      return linear(x, w);
-    if (!buffer.defined()) buffer = at::empty({x.size(0), w.n}, x.options());
-    linear_int_a8_into(x.data_ptr<float>(), x.size(0), *w.a8, buffer.data_ptr<float>());
-    return buffer;
-  }
-
   at::Tensor linear(const at::Tensor& x, const StackLinear& w) const {
     if (w.bits != 0) return linear_int(x, w.packed, w.scales, w.offsets, w.n, w.bits, w.group_size, w.activation_bits, w.bias);
     return avx2_ ? linear_avx2(x, w.packed, w.n, w.bias) : linear_bf16(x, w.packed, w.n, w.bias);
@@ -177,6 +262,8 @@ class DecoderStack : public torch::CustomClassHolder {
 
   std::vector<StackLayer> layers_;
   at::Tensor embed_, final_norm_;
+  at::Tensor residual_, zeros_, normed_, attended_, activated_;  // buffer(): reused by every forward
+  LinearOut qkv_, o_, gate_up_, down_;
   bool avx2_;
   double eps_, scale_;
   int64_t num_heads_ = 0, num_kv_heads_ = 0, head_dim_ = 0;

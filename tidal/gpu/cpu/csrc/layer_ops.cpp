@@ -44,6 +44,9 @@ struct Rows {
     stride_outer = t.stride(0);
     stride_inner = t.dim() == 3 ? t.stride(1) : 0;
   }
+  // rows of `heads` heads each, `heads * dim` apart or `row_stride` apart: [T, heads, dim] with contiguous heads
+  Rows(int64_t rows, int64_t heads, int64_t dim_, int64_t row_stride)
+      : count(rows * heads), dim(dim_), inner(heads), stride_outer(row_stride), stride_inner(dim_) {}
   int64_t offset(int64_t r) const { return (r / inner) * stride_outer + (r % inner) * stride_inner; }
 };
 
@@ -51,12 +54,12 @@ int64_t grain_rows(int64_t dim) { return std::max<int64_t>(1, kElementsPerTask /
 
 template <typename scalar_t>
 void rms_norm_rows(const scalar_t* x, const Rows& xr, scalar_t* residual, const Rows& rr, const scalar_t* weight,
-                   float eps, scalar_t* out) {
+                   float eps, scalar_t* out, const Rows& outr) {
   const int64_t dim = xr.dim, vec_end = dim / kWidth * kWidth;
   at::parallel_for(0, xr.count, grain_rows(dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* src = x + xr.offset(r);
-      scalar_t* o = out + r * dim;
+      scalar_t* o = out + outr.offset(r);
       if (residual != nullptr) {  // residual += x, rounded as torch's add rounds; then normalise the sum
         scalar_t* res = residual + rr.offset(r);
         for (int64_t d = 0; d < vec_end; d += kWidth) store8(res + d, load8(res + d) + load8(src + d));
@@ -140,7 +143,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   dispatch(x, "rms_norm", [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), xr, nullptr, xr, weight.data_ptr<scalar_t>(),
-                            static_cast<float>(eps), out.data_ptr<scalar_t>());
+                            static_cast<float>(eps), out.data_ptr<scalar_t>(), Rows(out));
   });
   return out;
 }
@@ -155,7 +158,7 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Te
   dispatch(x, "add_rms_norm_", [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), xr, residual.data_ptr<scalar_t>(), rr,
-                            weight.data_ptr<scalar_t>(), static_cast<float>(eps), out.data_ptr<scalar_t>());
+                            weight.data_ptr<scalar_t>(), static_cast<float>(eps), out.data_ptr<scalar_t>(), Rows(out));
   });
   return out;
 }
@@ -188,21 +191,53 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   at::Tensor out = at::empty({rows, width}, x.options());
   dispatch(x, "silu_and_mul", [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
-    const scalar_t* in = x.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* gate = in + r * row_stride;
-        const scalar_t* up = gate + width;
-        scalar_t* dst = o + r * width;
-        // rounded where torch rounds: silu(gate), then the product
-        for (int64_t d = 0; d < width; d += kWidth)
-          store8(dst + d, round_as(silu(load8(gate + d)), gate) * load8(up + d));
-      }
-    });
+    silu_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), rows, width, row_stride, out.data_ptr<scalar_t>());
   });
   return out;
 }
+
+template <typename scalar_t>
+void add_rms_norm_rows(scalar_t* residual, const scalar_t* x, const scalar_t* weight, int64_t rows, int64_t dim,
+                       float eps, scalar_t* out) {
+  const Rows contiguous(rows, 1, dim, dim);
+  rms_norm_rows<scalar_t>(x, contiguous, residual, contiguous, weight, eps, out, contiguous);
+}
+
+template <typename scalar_t>
+void rms_norm_heads_(scalar_t* x, int64_t rows, int64_t heads, int64_t dim, int64_t row_stride, const scalar_t* weight,
+                     float eps) {
+  const Rows xr(rows, heads, dim, row_stride);
+  rms_norm_rows<scalar_t>(x, xr, nullptr, xr, weight, eps, x, xr);
+}
+
+template <typename scalar_t>
+void rotary_rows_(scalar_t* x, int64_t rows, int64_t heads, int64_t dim, int64_t row_stride, const scalar_t* cos,
+                  const scalar_t* sin, int64_t cs_stride) {
+  rotary_heads<scalar_t>(x, Rows(rows, heads, dim, row_stride), cos, sin, cs_stride);
+}
+
+template <typename scalar_t>
+void silu_and_mul_rows(const scalar_t* x, int64_t rows, int64_t width, int64_t row_stride, scalar_t* out) {
+  at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* gate = x + r * row_stride;
+      const scalar_t* up = gate + width;
+      scalar_t* dst = out + r * width;
+      // rounded where torch rounds: silu(gate), then the product
+      for (int64_t d = 0; d < width; d += kWidth)
+        store8(dst + d, round_as(silu(load8(gate + d)), gate) * load8(up + d));
+    }
+  });
+}
+
+#define TIDAL_ROW_OPS(T)                                                                                          \
+  template void add_rms_norm_rows<T>(T*, const T*, const T*, int64_t, int64_t, float, T*);                       \
+  template void rms_norm_heads_<T>(T*, int64_t, int64_t, int64_t, int64_t, const T*, float);                     \
+  template void rotary_rows_<T>(T*, int64_t, int64_t, int64_t, int64_t, const T*, const T*, int64_t);            \
+  template void silu_and_mul_rows<T>(const T*, int64_t, int64_t, int64_t, T*);
+TIDAL_ROW_OPS(float)
+TIDAL_ROW_OPS(c10::BFloat16)
+#undef TIDAL_ROW_OPS
 
 }  // namespace tidal_cpu
 

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <vector>
 
 namespace tidal_cpu {
 
@@ -13,6 +14,18 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps);
 void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
+// The same ops on raw rows (float or c10::BFloat16), for decoder_stack.cpp, which checks its shapes and dtypes once
+// per forward: no checks, no tensors. Rows of [rows, dim] blocks are contiguous; a [rows, heads, dim] block has its
+// heads contiguous and its rows `row_stride` apart (q or k inside the qkv projection's output).
+template <typename T>
+void add_rms_norm_rows(T* residual, const T* x, const T* weight, int64_t rows, int64_t dim, float eps, T* out);
+template <typename T>
+void rms_norm_heads_(T* x, int64_t rows, int64_t heads, int64_t dim, int64_t row_stride, const T* weight, float eps);
+template <typename T>
+void rotary_rows_(T* x, int64_t rows, int64_t heads, int64_t dim, int64_t row_stride, const T* cos, const T* sin,
+                  int64_t cs_stride);
+template <typename T>
+void silu_and_mul_rows(const T* x, int64_t rows, int64_t width, int64_t row_stride, T* out);
 
 // linear_bf16.cpp, linear_avx2.cpp
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias);
@@ -40,6 +53,17 @@ void linear_int_a8_into(const float* x, int64_t m, const A8Linear& w, float* out
 // paged_decode.cpp
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
+// The kernel on raw rows, for decoder_stack.cpp: query [B, Hq, D] (rows `q_stride_b`, heads `q_stride_h` apart),
+// caches [num_blocks, block_size, Hkv, D] contiguous, lengths from checked_lengths; writes out [B, Hq, D].
+template <typename T>
+void paged_decode_rows(const T* query, int64_t q_stride_b, int64_t q_stride_h, int64_t num_heads, const T* k_cache,
+                       const T* v_cache, int64_t block_size, int64_t num_kv_heads, int64_t dim,
+                       const int32_t* block_tables, int64_t table_stride, const std::vector<int64_t>& seq_lens,
+                       float scale, T* out);
+// The first `num_seqs` lengths, each checked against its block table and the cache's `num_blocks` (raises on a
+// length or block id the kernel must not read).
+std::vector<int64_t> checked_lengths(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_seqs,
+                                     int64_t block_size, int64_t num_blocks);
 void write_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                      const at::Tensor& slot_mapping);
 

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "claims.h"
@@ -173,18 +174,11 @@ void decode_one(const scalar_t* query, int64_t q_stride_b, int64_t q_stride_h, c
 }
 
 template <typename scalar_t>
-void decode_all(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                const at::Tensor& block_tables, const std::vector<int64_t>& seq_lens, float scale, at::Tensor& out) {
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), dim = query.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+void decode_all(const scalar_t* q, int64_t q_stride_b, int64_t q_stride_h, int64_t num_heads, const scalar_t* k,
+                const scalar_t* v, int64_t block_size, int64_t num_kv_heads, int64_t dim, const int32_t* tables,
+                int64_t table_stride, const std::vector<int64_t>& seq_lens, float scale, scalar_t* o) {
+  const int64_t num_seqs = static_cast<int64_t>(seq_lens.size());
   const int64_t group = num_heads / num_kv_heads;
-  const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* k = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v = v_cache.data_ptr<scalar_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t table_stride = block_tables.stride(0);
-  scalar_t* o = out.data_ptr<scalar_t>();
-  const int64_t q_stride_b = query.stride(0), q_stride_h = query.stride(1);
 
   int64_t total_len = 0;
   for (int64_t len : seq_lens) total_len += len;
@@ -214,6 +208,54 @@ void decode_all(const at::Tensor& query, const at::Tensor& k_cache, const at::Te
 
 }  // namespace
 
+template <typename T>
+void paged_decode_rows(const T* query, int64_t q_stride_b, int64_t q_stride_h, int64_t num_heads, const T* k_cache,
+                       const T* v_cache, int64_t block_size, int64_t num_kv_heads, int64_t dim,
+                       const int32_t* block_tables, int64_t table_stride, const std::vector<int64_t>& seq_lens,
+                       float scale, T* out) {
+  if (seq_lens.empty()) return;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (paged_decode_bf16_supported(dim)) {
+      paged_decode_bf16(query, q_stride_b, q_stride_h, k_cache, v_cache, block_tables, table_stride, seq_lens,
+                        num_heads, num_kv_heads, dim, block_size, scale, out);
+      return;
+    }
+  }
+  decode_all<T>(query, q_stride_b, q_stride_h, num_heads, k_cache, v_cache, block_size, num_kv_heads, dim,
+                block_tables, table_stride, seq_lens, scale, out);
+}
+template void paged_decode_rows<float>(const float*, int64_t, int64_t, int64_t, const float*, const float*, int64_t,
+                                       int64_t, int64_t, const int32_t*, int64_t, const std::vector<int64_t>&, float,
+                                       float*);
+template void paged_decode_rows<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, int64_t, const c10::BFloat16*,
+                                               const c10::BFloat16*, int64_t, int64_t, int64_t, const int32_t*, int64_t,
+                                               const std::vector<int64_t>&, float, c10::BFloat16*);
+
+// Validate every block id the kernel will touch up front: a bad table must raise, not read wild memory.
+std::vector<int64_t> checked_lengths(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_seqs,
+                                     int64_t block_size, int64_t num_blocks) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1,
+              "block_tables must be [B, max_blocks] int32 with contiguous rows");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.is_contiguous(),
+              "seq_lens must be [B] int32");
+  TORCH_CHECK(block_tables.size(0) >= num_seqs && seq_lens.size(0) >= num_seqs, "fewer block tables than queries");
+  const int64_t max_blocks = block_tables.size(1);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  std::vector<int64_t> lengths(num_seqs);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = lens[s];
+    TORCH_CHECK(len >= 1 && (len + block_size - 1) / block_size <= max_blocks, "sequence ", s, " has length ", len,
+                " outside [1, ", max_blocks * block_size, "]");
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+      const int32_t id = tables[s * block_tables.stride(0) + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "sequence ", s, " names block ", id, " outside the cache");
+    }
+    lengths[s] = len;
+  }
+  return lengths;
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(query_in.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
@@ -228,43 +270,23 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0 && query.size(1) / k_cache.size(2) <= 64,
               "query heads must be a multiple (at most 64) of kv heads");
   TORCH_CHECK(query.size(2) % (2 * kWidth) == 0, "head_dim must be a multiple of ", 2 * kWidth);
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1,
-              "block_tables must be [B, max_blocks] int32 with contiguous rows");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.is_contiguous(),
-              "seq_lens must be [B] int32");
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+              "paged_decode_attention supports float32 and bfloat16, got ", query.scalar_type());
   const int64_t num_seqs = query.size(0);
-  TORCH_CHECK(block_tables.size(0) >= num_seqs && seq_lens.size(0) >= num_seqs, "fewer block tables than queries");
-
-  // Validate every block id the kernel will touch up front: a bad table must raise, not read wild memory.
-  const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0), max_blocks = block_tables.size(1);
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  std::vector<int64_t> lengths(num_seqs);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t len = lens[s];
-    TORCH_CHECK(len >= 1 && (len + block_size - 1) / block_size <= max_blocks, "sequence ", s, " has length ", len,
-                " outside [1, ", max_blocks * block_size, "]");
-    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
-      const int32_t id = tables[s * block_tables.stride(0) + b];
-      TORCH_CHECK(id >= 0 && id < num_blocks, "sequence ", s, " names block ", id, " outside the cache");
-    }
-    lengths[s] = len;
-  }
+  const std::vector<int64_t> lengths = checked_lengths(block_tables, seq_lens, num_seqs, k_cache.size(1), k_cache.size(0));
 
   at::Tensor out = at::empty({num_seqs, query.size(1), query.size(2)}, query.options());
-  if (num_seqs == 0) return out;
-  if (query.scalar_type() == at::kFloat) {
-    decode_all<float>(query, k_cache, v_cache, block_tables, lengths, static_cast<float>(scale), out);
-  } else if (query.scalar_type() == at::kBFloat16 && paged_decode_bf16_supported(query.size(2))) {
-    paged_decode_bf16(query.data_ptr<c10::BFloat16>(), query.stride(0), query.stride(1), k_cache.data_ptr<c10::BFloat16>(),
-                      v_cache.data_ptr<c10::BFloat16>(), block_tables.data_ptr<int32_t>(), block_tables.stride(0), lengths,
-                      query.size(1), k_cache.size(2), query.size(2), k_cache.size(1), static_cast<float>(scale),
-                      out.data_ptr<c10::BFloat16>());
-  } else if (query.scalar_type() == at::kBFloat16) {
-    decode_all<c10::BFloat16>(query, k_cache, v_cache, block_tables, lengths, static_cast<float>(scale), out);
-  } else {
-    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16, got ", query.scalar_type());
-  }
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    paged_decode_rows<T>(query.data_ptr<T>(), query.stride(0), query.stride(1), query.size(1), k_cache.data_ptr<T>(),
+                         v_cache.data_ptr<T>(), k_cache.size(1), k_cache.size(2), query.size(2),
+                         block_tables.data_ptr<int32_t>(), block_tables.stride(0), lengths, static_cast<float>(scale),
+                         out.data_ptr<T>());
+  };
+  if (query.scalar_type() == at::kFloat)
+    run(static_cast<float*>(nullptr));
+  else
+    run(static_cast<c10::BFloat16*>(nullptr));
   return out;
 }
 
