@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tidal.gpu.cpu import kernels as cpu_kernels
-from tidal.gpu.model.layers import apply_rotary
+from tidal.gpu.model.layers import apply_rotary, rotary_inv_freq
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -82,6 +82,22 @@ def test_rotary_in_place_matches_rotate_half(ops, dtype):
         close(q, expected_q)
         close(k, expected_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], untouched_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_angles_match_the_torch_angles(ops, dtype):
+    """cos/sin [T, D] of float(position) * inv_freq, each half repeated: what RotaryEmbedding's torch ops give,
+    within an ulp of float32 (glibc's sincosf against torch's vectorised cos and sin)."""
+    inv_freq = rotary_inv_freq(64, 500000.0, None)
+    positions = torch.tensor([0, 1, 2, 7, 127, 128, 4095, 131071], dtype=torch.int64)
+    cos, sin = ops.rotary_angles(positions, inv_freq, dtype)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    assert cos.dtype == sin.dtype == dtype and cos.shape == sin.shape == (8, 64)
+    close(cos, emb.cos().to(dtype))
+    close(sin, emb.sin().to(dtype))
+    assert torch.equal(cos[:, :32], cos[:, 32:]) and torch.equal(sin[:, :32], sin[:, 32:])
+    assert torch.equal(cos[0], torch.ones(64, dtype=dtype)) and torch.equal(sin[0], torch.zeros(64, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

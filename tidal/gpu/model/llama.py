@@ -178,8 +178,7 @@ class LlamaForCausalLM(nn.Module):
         """
         rows = self._stack_rows(batch, kv_caches)
         if rows is not None:  # the same ops, in one call (csrc/decoder_stack.cpp)
-            cos, sin = self.rotary.cos_sin(batch.positions, self.model.embed_tokens.dtype)
-            return self._decoder_stack.forward(batch.input_ids, cos, sin, batch.slot_mapping, *rows,
+            return self._decoder_stack.forward(batch.input_ids, batch.positions, batch.slot_mapping, *rows,
                                                [k for k, _ in kv_caches], [v for _, v in kv_caches])
         if self.tp is None:
             residual = F.embedding(batch.input_ids, self.model.embed_tokens)
@@ -265,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
                 else:
                     tensors.append(part)
             tensors += [empty, empty] if attn.q_norm is None else [attn.q_norm.weight, attn.k_norm.weight]
-        tensors += [self.model.embed_tokens, self.model.norm.weight]
+        tensors += [self.model.embed_tokens, self.model.norm.weight, self.rotary.inv_freq(torch.device("cpu"))]
         attn = first.self_attn
         shape = [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.qkv_proj.out_features,
                  attn.o_proj.out_features, first.mlp.gate_up_proj.out_features, first.mlp.down_proj.out_features]

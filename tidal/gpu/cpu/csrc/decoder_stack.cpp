@@ -12,8 +12,8 @@
 // The arguments are checked once per forward; the layers then call the kernels on raw rows (ops.h's
 // *_rows functions) with their outputs in buffers kept across forwards. A tensor op per kernel cost its
 // checks, an output tensor and a dispatch: at one row of the 4-layer "tiny" model, ~100 of a ~230 us
-// forward. The rotary angles come from RotaryEmbedding.cos_sin, their one owner. Other devices and
-// batches stay in Python.
+// forward. The rotary angles are rotary_angles' (layer_ops.cpp), as RotaryEmbedding.cos_sin's on the CPU.
+// Other devices and batches stay in Python.
 
 #include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
@@ -48,7 +48,7 @@ struct StackLayer {
 };
 
 // The model-level tensors, after the layers' (LlamaForCausalLM._build_decoder_stack).
-enum ModelSlot { kEmbed, kFinalNorm, kModelSlots };
+enum ModelSlot { kEmbed, kFinalNorm, kInvFreq, kModelSlots };
 
 // The per-layer tensors, as DecoderStack's constructor takes them (an absent bias or q/k norm is an
 // empty tensor), in the order LlamaForCausalLM._build_decoder_stack lists them.
@@ -74,10 +74,14 @@ class DecoderStack : public torch::CustomClassHolder {
     const at::Tensor* model = tensors.data() + tensors.size() - kModelSlots;
     embed_ = model[kEmbed];
     final_norm_ = model[kFinalNorm];
+    inv_freq_ = model[kInvFreq];
     TORCH_CHECK(avx2 ? linear_avx2_supported() : linear_bf16_supported(), "this CPU cannot run the stack's linears");
     num_heads_ = shape[0];
     num_kv_heads_ = shape[1];
     head_dim_ = shape[2];
+    TORCH_CHECK(inv_freq_.dim() == 1 && inv_freq_.scalar_type() == at::kFloat && inv_freq_.is_contiguous() &&
+                    2 * inv_freq_.size(0) == head_dim_,
+                "inv_freq must be [head_dim / 2] float32");
     for (size_t first = 0; first + kModelSlots < tensors.size(); first += kSlotsPerLayer) {
       const at::Tensor* t = tensors.data() + first;
       layers_.push_back(StackLayer{t[kInputNorm], t[kPostNorm], present(t[kQNorm]), present(t[kKNorm]),
@@ -112,31 +116,31 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   // The model's forward over the rows: embedding, every layer, final norm; returns the final-normed hidden
-  // states [T, hidden], as LlamaForCausalLM.forward does. cos/sin: the rows' rotary angles [T, head_dim];
-  // tables/lens: each row's block table and attended length (TorchPagedAttention.kernel_rows).
-  at::Tensor forward(at::Tensor input_ids, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping, at::Tensor tables,
+  // states [T, hidden], as LlamaForCausalLM.forward does. positions: the rows' positions [T] (their rotary
+  // angles are rotary_angles', as RotaryEmbedding.cos_sin's); tables/lens: each row's block table and attended
+  // length (TorchPagedAttention.kernel_rows).
+  at::Tensor forward(at::Tensor input_ids, at::Tensor positions, at::Tensor slot_mapping, at::Tensor tables,
                      at::Tensor lens, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
     if (embed_.scalar_type() == at::kFloat)
-      return run<float>(input_ids, cos, sin, slot_mapping, tables, lens, k_caches, v_caches);
+      return run<float>(input_ids, positions, slot_mapping, tables, lens, k_caches, v_caches);
     TORCH_CHECK(embed_.scalar_type() == at::kBFloat16, "the stack runs float32 or bfloat16 activations");
-    return run<c10::BFloat16>(input_ids, cos, sin, slot_mapping, tables, lens, k_caches, v_caches);
+    return run<c10::BFloat16>(input_ids, positions, slot_mapping, tables, lens, k_caches, v_caches);
   }
 
  private:
   // Every argument is checked here, once: the layers then run the kernels on raw rows, without a tensor
   // or a dispatcher call per op (at one row those cost as much as the kernels).
   template <typename T>
-  at::Tensor run(const at::Tensor& input_ids, const at::Tensor& cos, const at::Tensor& sin,
-                 const at::Tensor& slot_mapping, const at::Tensor& tables, const at::Tensor& lens,
+  at::Tensor run(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                 const at::Tensor& tables, const at::Tensor& lens,
                  const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches) {
     const at::ScalarType dtype = embed_.scalar_type();
     TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && input_ids.is_contiguous(),
                 "input_ids must be [T] int64");
     const int64_t rows = input_ids.size(0), hidden = embed_.size(1), vocab = embed_.size(0);
-    TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == rows && cos.size(1) == head_dim_ &&
-                    cos.stride(1) == 1 && sin.stride(1) == 1 && cos.stride(0) == sin.stride(0) &&
-                    cos.scalar_type() == dtype && sin.scalar_type() == dtype,
-                "cos and sin must be [T, head_dim] rows of the activations' dtype");
+    TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows && positions.scalar_type() == at::kLong &&
+                    positions.is_contiguous(),
+                "positions must be [T] int64");
     TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == rows && slot_mapping.scalar_type() == at::kLong &&
                     slot_mapping.is_contiguous(),
                 "slot_mapping must be [T] int64");
@@ -164,7 +168,10 @@ class DecoderStack : public torch::CustomClassHolder {
     for (int64_t t = 0; t < rows; ++t) std::memcpy(residual + t * hidden, embed + ids[t] * hidden, hidden * sizeof(T));
     T* zeros = buffer<T>(zeros_, rows * hidden);  // the first layer's "+ out" adds nothing
     std::memset(static_cast<void*>(zeros), 0, rows * hidden * sizeof(T));
-    const T* out = layers<T>(residual, zeros, rows, cos.data_ptr<T>(), sin.data_ptr<T>(), cos.stride(0), slots,
+    T* cos = buffer<T>(cos_, rows * head_dim_);
+    T* sin = buffer<T>(sin_, rows * head_dim_);
+    rotary_angles_rows<T>(positions.data_ptr<int64_t>(), rows, inv_freq_.data_ptr<float>(), head_dim_ / 2, cos, sin);
+    const T* out = layers<T>(residual, zeros, rows, cos, sin, head_dim_, slots,
                              tables.data_ptr<int32_t>(), tables.stride(0), lengths, block_size, k_caches, v_caches);
     at::Tensor normed = at::empty({rows, hidden}, embed_.options());
     add_rms_norm_rows<T>(residual, out, final_norm_.data_ptr<T>(), rows, hidden, static_cast<float>(eps_),
@@ -261,8 +268,8 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   std::vector<StackLayer> layers_;
-  at::Tensor embed_, final_norm_;
-  at::Tensor residual_, zeros_, normed_, attended_, activated_;  // buffer(): reused by every forward
+  at::Tensor embed_, final_norm_, inv_freq_;
+  at::Tensor residual_, zeros_, cos_, sin_, normed_, attended_, activated_;  // buffer(): reused by every forward
   LinearOut qkv_, o_, gate_up_, down_;
   bool avx2_;
   double eps_, scale_;

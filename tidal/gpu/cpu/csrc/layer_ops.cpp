@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 
 #include "ops.h"
@@ -196,6 +197,47 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// cos and sin [T, D] of positions [T] int64 and inv_freq [D/2] float32 (RotaryEmbedding's frequencies, scaling
+// folded in), each half repeated ("rotate half"): the angle is float(position) * inv_freq in float32, as torch
+// computes it; its cos and sin come from glibc's sincosf (under 1 ulp), then round to the dtype.
+std::tuple<at::Tensor, at::Tensor> rotary_angles(const at::Tensor& positions, const at::Tensor& inv_freq,
+                                                 at::ScalarType dtype) {
+  TORCH_CHECK(positions.device().is_cpu() && positions.dim() == 1 && positions.scalar_type() == at::kLong,
+              "positions must be a [T] int64 CPU tensor");
+  TORCH_CHECK(inv_freq.dim() == 1 && inv_freq.scalar_type() == at::kFloat && inv_freq.is_contiguous(),
+              "inv_freq must be a contiguous [D/2] float32 tensor");
+  const int64_t rows = positions.size(0), half = inv_freq.size(0);
+  const at::Tensor pos = positions.contiguous();
+  at::Tensor cos = at::empty({rows, 2 * half}, positions.options().dtype(dtype));
+  at::Tensor sin = at::empty({rows, 2 * half}, positions.options().dtype(dtype));
+  dispatch(cos, "rotary_angles", [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    rotary_angles_rows<scalar_t>(pos.data_ptr<int64_t>(), rows, inv_freq.data_ptr<float>(), half,
+                                 cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>());
+  });
+  return {cos, sin};
+}
+
+template <typename scalar_t>
+void rotary_angles_rows(const int64_t* positions, int64_t rows, const float* inv_freq, int64_t half, scalar_t* cos,
+                        scalar_t* sin) {
+  at::parallel_for(0, rows, grain_rows(16 * half), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float position = static_cast<float>(positions[r]);
+      scalar_t* c = cos + r * 2 * half;
+      scalar_t* s = sin + r * 2 * half;
+      for (int64_t i = 0; i < half; ++i) {
+        float sin_i, cos_i;
+        sincosf(position * inv_freq[i], &sin_i, &cos_i);
+        store1(c + i, cos_i);
+        store1(c + half + i, cos_i);
+        store1(s + i, sin_i);
+        store1(s + half + i, sin_i);
+      }
+    }
+  });
+}
+
 template <typename scalar_t>
 void add_rms_norm_rows(scalar_t* residual, const scalar_t* x, const scalar_t* weight, int64_t rows, int64_t dim,
                        float eps, scalar_t* out) {
@@ -231,6 +273,7 @@ void silu_and_mul_rows(const scalar_t* x, int64_t rows, int64_t width, int64_t r
 }
 
 #define TIDAL_ROW_OPS(T)                                                                                          \
+  template void rotary_angles_rows<T>(const int64_t*, int64_t, const float*, int64_t, T*, T*);                   \
   template void add_rms_norm_rows<T>(T*, const T*, const T*, int64_t, int64_t, float, T*);                       \
   template void rms_norm_heads_<T>(T*, int64_t, int64_t, int64_t, int64_t, const T*, float);                     \
   template void rotary_rows_<T>(T*, int64_t, int64_t, int64_t, int64_t, const T*, const T*, int64_t);            \
@@ -248,4 +291,5 @@ TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor", &add_rms_norm_);
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rotary_);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def("rotary_angles(Tensor positions, Tensor inv_freq, ScalarType dtype) -> (Tensor, Tensor)", &rotary_angles);
 }

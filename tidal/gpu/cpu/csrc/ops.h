@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace tidal_cpu {
@@ -14,9 +15,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps);
 void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> rotary_angles(const at::Tensor& positions, const at::Tensor& inv_freq,
+                                                 at::ScalarType dtype);
 // The same ops on raw rows (float or c10::BFloat16), for decoder_stack.cpp, which checks its shapes and dtypes once
 // per forward: no checks, no tensors. Rows of [rows, dim] blocks are contiguous; a [rows, heads, dim] block has its
 // heads contiguous and its rows `row_stride` apart (q or k inside the qkv projection's output).
+template <typename T>
+void rotary_angles_rows(const int64_t* positions, int64_t rows, const float* inv_freq, int64_t half, T* cos, T* sin);
 template <typename T>
 void add_rms_norm_rows(T* residual, const T* x, const T* weight, int64_t rows, int64_t dim, float eps, T* out);
 template <typename T>
