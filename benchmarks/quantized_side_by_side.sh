@@ -4,6 +4,7 @@
 #   bash benchmarks/quantized_side_by_side.sh            # needs ../shared/anchors/llama_cpp_anchor.sh run once
 #   MODELS="small" PAIRS="q8_0" bash benchmarks/quantized_side_by_side.sh
 #   ROWS="1:24" WARM="1:8" SCHEMES="w8a8 w4a8" bash benchmarks/quantized_side_by_side.sh   # c=1 rows, int8 activations only
+#   ROUNDS=3 MODELS=tiny ROWS="1:24" WARM="1:8" SCHEMES="w8a8 w4a8" bash ...   # the pairs three times over, alternating
 # Rows and warm-up as ../shared/anchors/side_by_side.sh and llama_cpp_anchor.sh (vllm bench serve, openai-chat,
 # random 128 in / 128 out, --ignore-eos). Appends JSON lines to $OUT and prints a table. Needs a quiet machine.
 set -u
@@ -15,6 +16,7 @@ TIDAL=${TIDAL:-tidal}
 LLAMA=${LLAMA:-$A/llama-src/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server}
 OUT=${OUT:-$PWD/quantized_side_by_side.jsonl}
 echo "host: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores, flags: $(grep -o -w -E 'avx2|avx512f|avx512_vnni|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+for round in $(seq "${ROUNDS:-1}"); do  # on a noisy host a ratio means something only across alternating rounds
 for m in ${MODELS:-tiny small}; do
   if [ "$m" = tiny ]; then rows="1:48,64:256"; warm="64:128"; np=64; ctx=32768; else rows="1:8,16:64"; warm="16:32"; np=16; ctx=8192; fi
   rows=${ROWS:-$rows}; warm=${WARM:-$warm}
@@ -30,6 +32,7 @@ for m in ${MODELS:-tiny small}; do
         --serve "$TIDAL serve --model $A/models/$m --served-model-name $A/models/$m --host 127.0.0.1 --port 18600 --quantization $q"
     done
   done
+done
 done
 "$PY" - "$OUT" <<'PY'
 import json, sys
