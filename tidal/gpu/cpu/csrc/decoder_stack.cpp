@@ -158,10 +158,9 @@ class DecoderStack : public torch::CustomClassHolder {
     const std::vector<int64_t> lengths = checked_lengths(tables, lens, rows, block_size, first.size(0));
     const int64_t* ids = input_ids.data_ptr<int64_t>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-    for (int64_t t = 0; t < rows; ++t) {  // all checked before any write: a bad row leaves the cache as it was
+    for (int64_t t = 0; t < rows; ++t)  // all checked before any write: a bad row leaves the cache as it was
       TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "row ", t, " has token id ", ids[t], " outside the vocabulary");
-      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "row ", t, " names slot ", slots[t], " outside the cache");
-    }
+    check_slots(slots, rows, num_slots);
 
     T* residual = buffer<T>(residual_, rows * hidden);
     const T* embed = embed_.data_ptr<T>();
@@ -205,10 +204,9 @@ class DecoderStack : public torch::CustomClassHolder {
       rotary_rows_<T>(k, rows, num_kv_heads_, head_dim_, qkv_n, cos, sin, cs_stride);
       T* k_cache = k_caches[i].data_ptr<T>();
       T* v_cache = v_caches[i].data_ptr<T>();
-      for (int64_t t = 0; t < rows; ++t) {
-        std::memcpy(k_cache + slots[t] * kv_size, k + t * qkv_n, kv_size * sizeof(T));
-        std::memcpy(v_cache + slots[t] * kv_size, v + t * qkv_n, kv_size * sizeof(T));
-      }
+      write_kv_rows(reinterpret_cast<const char*>(k), qkv_n * sizeof(T), reinterpret_cast<const char*>(v),
+                    qkv_n * sizeof(T), rows, kv_size * sizeof(T), slots, reinterpret_cast<char*>(k_cache),
+                    reinterpret_cast<char*>(v_cache));
       paged_decode_rows<T>(q, qkv_n, head_dim_, num_heads_, k_cache, v_cache, block_size, num_kv_heads_, head_dim_,
                            tables, table_stride, lengths, static_cast<float>(scale_), attended);
       out = linear<T>(attended, rows, q_size, layer.o, o_);

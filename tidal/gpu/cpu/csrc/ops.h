@@ -71,5 +71,11 @@ std::vector<int64_t> checked_lengths(const at::Tensor& block_tables, const at::T
                                      int64_t block_size, int64_t num_blocks);
 void write_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                      const at::Tensor& slot_mapping);
+// write_kv_cache_'s parts on raw rows, for decoder_stack.cpp: every slot checked against the cache's `num_slots`
+// (raises before any write, so a bad slot leaves the cache as it was), then each row's K and V (`row_bytes` each,
+// rows `*_stride` bytes apart) copied to its slot.
+void check_slots(const int64_t* slots, int64_t rows, int64_t num_slots);
+void write_kv_rows(const char* k, size_t k_stride, const char* v, size_t v_stride, int64_t rows, size_t row_bytes,
+                   const int64_t* slots, char* k_cache, char* v_cache);
 
 }  // namespace tidal_cpu

@@ -320,15 +320,21 @@ void write_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor&
   const size_t row_bytes = size_t(k.size(1) * k.size(2)) * k.element_size();
   const size_t k_stride = size_t(k.stride(0)) * k.element_size(), v_stride = size_t(v.stride(0)) * v.element_size();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < rows; ++t)  // all checked before any write: a bad slot leaves the cache as it was
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "row ", t, " names slot ", slot[t], " outside the cache");
-  const auto* k_src = static_cast<const char*>(k.data_ptr());
-  const auto* v_src = static_cast<const char*>(v.data_ptr());
-  auto* k_dst = static_cast<char*>(k_cache.data_ptr());
-  auto* v_dst = static_cast<char*>(v_cache.data_ptr());
+  check_slots(slot, rows, num_slots);
+  write_kv_rows(static_cast<const char*>(k.data_ptr()), k_stride, static_cast<const char*>(v.data_ptr()), v_stride,
+                rows, row_bytes, slot, static_cast<char*>(k_cache.data_ptr()), static_cast<char*>(v_cache.data_ptr()));
+}
+
+void check_slots(const int64_t* slots, int64_t rows, int64_t num_slots) {
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "row ", t, " names slot ", slots[t], " outside the cache");
+}
+
+void write_kv_rows(const char* k, size_t k_stride, const char* v, size_t v_stride, int64_t rows, size_t row_bytes,
+                   const int64_t* slots, char* k_cache, char* v_cache) {
   for (int64_t t = 0; t < rows; ++t) {
-    std::memcpy(k_dst + slot[t] * row_bytes, k_src + t * k_stride, row_bytes);
-    std::memcpy(v_dst + slot[t] * row_bytes, v_src + t * v_stride, row_bytes);
+    std::memcpy(k_cache + slots[t] * row_bytes, k + t * k_stride, row_bytes);
+    std::memcpy(v_cache + slots[t] * row_bytes, v + t * v_stride, row_bytes);
   }
 }
 
