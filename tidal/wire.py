@@ -11,7 +11,8 @@ engine step that produced anything, merged when the pipe is behind), ``Pong``, a
 ``EngineFailed`` if the engine hits an unrecoverable error.
 
 Both sides also share the prefix hash (``hash_block``, ``prefix_hashes``): the engine's prefix
-cache keys its full KV blocks by it and the router's prefix affinity by the same chain.
+cache keys its full KV blocks by it and the router's prefix affinity by the same chain. Whoever starts an
+engine process (the frontend, or a headless node's tensor-parallel ranks) gives it ``engine_process_env``.
 
 Stamps (``received_at``, ``sent_at``, ``EngineTiming``) are ``time.monotonic()`` readings: one
 clock for both processes of a host (CLOCK_MONOTONIC on Linux), so the frontend can lay the
@@ -319,6 +320,22 @@ class FrameSplitter:
         if start:
             del buffer[:start]
         return bodies
+
+
+# ---------------------------------------------------------------- the engine process's environment
+
+# The engine process's OpenMP threads wait at each parallel region's end: libgomp spins
+# GOMP_SPINCOUNT times (one `pause` each: 31 ns on this project's AMD EPYC, so 10000 spins are
+# ~310 us there), then sleeps on a futex. Sleeping at once costs a wake-up per region of a
+# decode step; libgomp's default 300000 stalls a busy host (docs/engine.md, "OpenMP waits").
+OMP_SPIN_COUNT = "10000"
+
+
+def engine_process_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for an engine process: the short OpenMP spin unless the user set a wait of their own."""
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        return dict(env, GOMP_SPINCOUNT=OMP_SPIN_COUNT)
+    return env
 
 
 # ---------------------------------------------------------------- the prefix hash

@@ -43,12 +43,10 @@ from tidal.wire import (
     StepReport,
     decode_from_engine,
     encode_frame,
+    engine_process_env,
 )
 
 log = logging.getLogger("tidal.engines.client")
-
-# spins before an OpenMP thread sleeps at a barrier (~10 us here); see EngineClient.run
-OMP_SPIN_COUNT = "10000"
 
 
 class EngineDead(Exception):
@@ -145,13 +143,7 @@ class EngineClient:
         On cancellation the engine is told to shut down and reaped. Raises ``EngineDead``
         if the engine exits, hangs or fails on its own.
         """
-        env = dict(os.environ)
-        # OpenMP threads wait at each kernel's end: sleeping at once costs a futex wake per
-        # parallel region (small decodes 1.25-1.4x slower on a quiet 2-core host), spinning for
-        # long (libgomp's default) stalls a busy host. A short spin, then sleep, keeps most of
-        # both (docs/performance-history.md, "OpenMP waits"); the user's own setting wins.
-        if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
-            env["GOMP_SPINCOUNT"] = OMP_SPIN_COUNT
+        env = engine_process_env(dict(os.environ))  # the OpenMP wait (tidal/wire.py); the user's wins
         process = await trio.lowlevel.open_process(
             [sys.executable, "-m", "tidal.gpu"],
             stdin=subprocess.PIPE,

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 
-from tidal.wire import EngineConfig, encode_frame
+from tidal.wire import EngineConfig, encode_frame, engine_process_env
 
 DEFAULT_MASTER_PORT = 29500  # torch.distributed's
 
@@ -30,11 +30,10 @@ def rendezvous_port(config: EngineConfig) -> int:
 def start_rank(config: EngineConfig, rank: int, master_port: int | str) -> subprocess.Popen:
     """Start rank ``rank`` of ``config``'s replica; its stdin stays open for as long as this process lives."""
     per_node = config.tensor_parallel_size // config.nnodes
-    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % per_node),
-               WORLD_SIZE=str(config.tensor_parallel_size), MASTER_ADDR=config.master_addr,
-               MASTER_PORT=str(master_port), TIDAL_TP_PARENT=str(os.getpid()))
-    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:  # a headless node's ranks
-        env["GOMP_SPINCOUNT"] = "10000"  # the engine's short spin (tidal/engines/client.py's OMP_SPIN_COUNT)
+    # a headless node's ranks get the engine's OpenMP wait here, not from a frontend
+    env = engine_process_env(dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % per_node),
+                                  WORLD_SIZE=str(config.tensor_parallel_size), MASTER_ADDR=config.master_addr,
+                                  MASTER_PORT=str(master_port), TIDAL_TP_PARENT=str(os.getpid())))
     process = subprocess.Popen([sys.executable, "-m", "tidal.gpu.parallel.worker"], stdin=subprocess.PIPE, env=env)
     process.stdin.write(encode_frame(config))
     process.stdin.flush()
