@@ -13,6 +13,12 @@ from tidal.gpu.parallel import launch
 from tidal.wire import OMP_SPIN_COUNT, EngineConfig
 
 OMP_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+# what the user set -> what an engine process gets: the short spin, or the user's own wait untouched
+WAITS = pytest.mark.parametrize("user_env, expected", [
+    ({}, {"GOMP_SPINCOUNT": OMP_SPIN_COUNT}),
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ({"GOMP_SPINCOUNT": "300000"}, {"GOMP_SPINCOUNT": "300000"}),
+], ids=["default", "user-policy", "user-spin"])
 
 
 def engine_omp_env(server: LiveServer) -> dict[str, str]:
@@ -20,11 +26,7 @@ def engine_omp_env(server: LiveServer) -> dict[str, str]:
     return {key: environ[key] for key in OMP_KEYS if key in environ}
 
 
-@pytest.mark.parametrize("user_env, expected", [
-    ({}, {"GOMP_SPINCOUNT": OMP_SPIN_COUNT}),
-    ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}),
-    ({"GOMP_SPINCOUNT": "300000"}, {"GOMP_SPINCOUNT": "300000"}),
-], ids=["default", "user-policy", "user-spin"])
+@WAITS
 def test_engine_gets_a_short_spin_unless_the_user_set_a_wait(monkeypatch, user_env, expected):
     for key in OMP_KEYS:
         monkeypatch.delenv(key, raising=False)
@@ -33,11 +35,7 @@ def test_engine_gets_a_short_spin_unless_the_user_set_a_wait(monkeypatch, user_e
         assert engine_omp_env(server) == expected
 
 
-@pytest.mark.parametrize("user_env, expected", [
-    ({}, {"GOMP_SPINCOUNT": OMP_SPIN_COUNT}),
-    ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}),
-    ({"GOMP_SPINCOUNT": "300000"}, {"GOMP_SPINCOUNT": "300000"}),
-], ids=["default", "user-policy", "user-spin"])
+@WAITS
 def test_a_headless_nodes_ranks_get_the_same_wait(monkeypatch, user_env, expected):
     """A headless node (`tidal serve --node-rank 1 ...`) has no frontend: its ranks' environment comes from
     start_rank, which must give them the same OpenMP wait as the frontend gives its engine."""
