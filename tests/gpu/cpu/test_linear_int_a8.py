@@ -5,6 +5,10 @@ zero points, 1 to 40 rows."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,3 +98,38 @@ def test_a_wrong_layout_is_refused_by_the_kernel(ops):
     float_layout = PackedInt(quantize(torch.randn(16, 64), Scheme(8, None)), ops)
     with pytest.raises(RuntimeError, match="packed weight has shape"):
         ops.linear_int(torch.randn(1, 64), float_layout.packed, float_layout.scales, None, 16, 8, 64, 8, None)
+
+
+def tile_outputs(ops) -> list[torch.Tensor]:
+    """The kernel's results over every tile shape (one row: four column blocks and one; 2-5 rows: four rows and
+    the rest), int8 and int4, per channel and grouped, with and without zero points, ragged N and K."""
+    outputs = []
+    for case, (m, n, k, bits, group, zero_points) in enumerate([
+            (1, 8 * 9 + 3, 200, 8, None, False), (1, 8 * 9 + 3, 256, 4, 128, False), (1, 40, 96, 4, 32, True),
+            (5, 8 * 5 + 1, 160, 8, 32, True), (3, 24, 288, 4, 128, False), (2, 16, 64, 8, None, False)]):
+        generator = torch.Generator().manual_seed(case)
+        weight = quantize(torch.randn(n, k, generator=generator), Scheme(bits, group, activation_bits=8))
+        if zero_points:
+            weight = with_zero_points(weight, case)
+        x = torch.randn(m, k, generator=generator) * 3
+        outputs.append(PackedInt(weight, ops).linear(x, torch.randn(n, generator=generator)))
+    return outputs
+
+
+def test_the_avx2_tiles_compute_what_the_vnni_tiles_compute(ops, tmp_path):
+    """A CPU with AVX512-VNNI multiplies the bytes with vpdpbusd, one without with vpmaddubsw + vpmaddwd: both sum
+    the same integers exactly, so the results are the same floats (TIDAL_CPU_INT_DOT=avx2 forces the second)."""
+    if ops.linear_int_a8_isa() != "avx512_vnni":
+        pytest.skip("this CPU has no AVX512-VNNI: it runs only the AVX2 tiles, which the tests above check")
+    here = os.path.dirname(__file__)
+    script = (f"import sys, torch; sys.path[:0] = [{here!r}, {os.path.dirname(os.path.dirname(here))!r}]\n"
+              "import test_linear_int_a8 as t\n"
+              "from tidal.gpu.model.quantization import int_linear_ops\n"
+              "ops = int_linear_ops('cpu'); assert ops.linear_int_a8_isa() == 'avx2', ops.linear_int_a8_isa()\n"
+              f"torch.save(t.tile_outputs(ops), {str(tmp_path / 'avx2.pt')!r})\n")
+    subprocess.run([sys.executable, "-c", script], check=True, env={**os.environ, "TIDAL_CPU_INT_DOT": "avx2"})
+    avx2 = torch.load(tmp_path / "avx2.pt")
+    vnni = tile_outputs(ops)
+    assert len(avx2) == len(vnni)
+    for forced, native in zip(avx2, vnni, strict=True):
+        assert torch.equal(forced, native)

@@ -18,7 +18,8 @@ One library (ops under ``torch.ops.tidal_cpu``) from these sources:
   (CPUs with AVX2+FMA and no native bf16; tidal/gpu/model/precision.py says when).
 * ``csrc/linear_int.cpp``: the int8/int4 weight-only linear (tidal/gpu/model/quantization.py), its loops
   (``csrc/linear_int_tile.h``) compiled for AVX-512 and for AVX2 and chosen by the CPU at run time; with int8
-  activations (w8a8, w4a8) ``csrc/linear_int_a8.cpp``: x quantized to int8 blocks, integer dot products (AVX2).
+  activations (w8a8, w4a8) ``csrc/linear_int_a8.cpp``: x quantized to int8 blocks, integer dot products
+  (``csrc/linear_int_a8_tile.h``, on AVX512-VNNI's ``vpdpbusd`` where the CPU has it, else AVX2).
 * ``csrc/decoder_stack.cpp``: a model's decoder layers as one call (``torch.classes.tidal_cpu.DecoderStack``)
   over the kernels above, for a forward whose every row attends on the paged kernel: at decode the
   Python layers' dispatch cost as much as a tenth of the step (tidal/gpu/model/llama.py says when it runs).
@@ -54,7 +55,8 @@ _SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "paged_decode_bf16.cpp", _CSRC /
             _CSRC / "linear_bf16.cpp", _CSRC / "linear_avx2.cpp", _CSRC / "linear_int.cpp", _CSRC / "linear_int_a8.cpp",
             _CSRC / "sampling.cpp",
             _CSRC / "decoder_stack.cpp"]
-_HEADERS = [_CSRC / "vec8.h", _CSRC / "linear_int_tile.h", _CSRC / "paged_decode_bf16.h", _CSRC / "claims.h", _CSRC / "ops.h"]
+_HEADERS = [_CSRC / name for name in ("vec8.h", "linear_int_tile.h", "linear_int_a8_tile.h", "paged_decode_bf16.h",
+                                        "claims.h", "ops.h")]
 _lock = threading.Lock()
 _loaded = False  # whether a load was attempted (its result, possibly None, is in _ops)
 _ops = None  # torch.ops.tidal_cpu once loaded

@@ -209,4 +209,5 @@ TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def("linear_int(Tensor x, Tensor packed, Tensor scales, Tensor? offsets, int n, int bits, int group_size, "
         "int activation_bits, Tensor? bias) -> Tensor", &linear_int);
   m.def("linear_int_isa() -> str", &linear_int_isa);
+  m.def("linear_int_a8_isa() -> str", &linear_int_a8_isa);
 }

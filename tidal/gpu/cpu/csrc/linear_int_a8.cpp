@@ -34,7 +34,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace tidal_cpu {
@@ -112,144 +114,52 @@ TIDAL_TARGET void quantize_row(const float* x, int64_t k, int64_t group_size, in
   }
 }
 
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
 // What a tile prefetches while it computes: the next tile's weight bytes, spread evenly over its blocks of 32 inputs.
 struct Ahead {
   const char* base = nullptr;
   int64_t bytes = 0, per_block = 0;  // per_block: bytes to prefetch per block of 32 inputs, whole cache lines
 };
 
-// Rows [row, row + R) by column blocks [block, block + C). Per block of 32 inputs the int32 sums are scaled
-// into the float sums by scale_g * sx_b; per group the offsets take sum_g(x') off.
-template <int R, int C, int BITS>
-TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, int64_t block, Ahead ahead = {}) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const int64_t line = block_bytes(p.k, BITS);
-  const int64_t xblocks = p.k / kXBlock, per_group = p.group_size / kXBlock;
-  const uint8_t* w = p.w + block * line;
-  __m256 y[C][R];
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) y[c][r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < p.groups; ++g) {
-    __m256 scale[C];
-    for (int c = 0; c < C; ++c) scale[c] = _mm256_loadu_ps(p.scales + ((block + c) * p.groups + g) * kCols);
-    for (int64_t b = g * per_group; b < std::min(xblocks, (g + 1) * per_group); ++b) {
-      for (int64_t at = b * ahead.per_block; at < std::min(ahead.bytes, (b + 1) * ahead.per_block); at += 64)
-        _mm_prefetch(ahead.base + at, _MM_HINT_T1);
-      __m256i acc[C][R];
-      for (int c = 0; c < C; ++c)
-        for (int r = 0; r < R; ++r) acc[c][r] = _mm256_setzero_si256();
-      if constexpr (BITS == 8) {
-        _Pragma("GCC unroll 8") for (int s = 0; s < 8; ++s) {
-          const int64_t i = b * kXBlock + 4 * s;
-          __m256i xv[R];
-          for (int r = 0; r < R; ++r) xv[r] = broadcast4(p.qx + (row + r) * p.k + i);
-          for (int c = 0; c < C; ++c) {
-            const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * line + i * kCols));
-            const __m256i magnitude = _mm256_sign_epi8(wv, wv);
-            for (int r = 0; r < R; ++r)
-              acc[c][r] = _mm256_add_epi32(
-                  acc[c][r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv[r], wv)), ones));
-          }
-        }
-      } else {
-        _Pragma("GCC unroll 4") for (int s = 0; s < 4; ++s) {
-          const int64_t i = b * kXBlock + 8 * s;
-          __m256i low_x[R], high_x[R];
-          for (int r = 0; r < R; ++r) {
-            low_x[r] = broadcast4(p.qx + (row + r) * p.k + i);
-            high_x[r] = broadcast4(p.qx + (row + r) * p.k + i + 4);
-          }
-          for (int c = 0; c < C; ++c) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * line + i * kCols / 2));
-            const __m256i low = _mm256_and_si256(v, nibble), high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-            for (int r = 0; r < R; ++r)
-              acc[c][r] = _mm256_add_epi32(
-                  acc[c][r], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(low, low_x[r]),
-                                                                _mm256_maddubs_epi16(high, high_x[r])),
-                                               ones));
-          }
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256 sx = _mm256_set1_ps(p.sx[(row + r) * xblocks + b]);
-        for (int c = 0; c < C; ++c)
-          y[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[c][r]), _mm256_mul_ps(scale[c], sx), y[c][r]);
-      }
-    }
-    if (p.offsets != nullptr) {
-      for (int c = 0; c < C; ++c) {
-        const __m256 offset = _mm256_loadu_ps(p.offsets + ((block + c) * p.groups + g) * kCols);
-        for (int r = 0; r < R; ++r)
-          y[c][r] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(p.sumx[(row + r) * p.groups + g]), y[c][r]);
-      }
-    }
-  }
-  for (int c = 0; c < C; ++c) {
-    const int64_t col = (block + c) * kCols, valid = std::min<int64_t>(kCols, p.n - col);
-    if (valid == kCols) {  // a whole block: one vector store per row, not a copy through the stack
-      const __m256 bias = p.bias != nullptr ? _mm256_loadu_ps(p.bias + col) : _mm256_setzero_ps();
-      for (int r = 0; r < R; ++r) _mm256_storeu_ps(p.out + (row + r) * p.n + col, _mm256_add_ps(y[c][r], bias));
-      continue;
-    }
-    alignas(32) float bias[kCols] = {};
-    if (p.bias != nullptr) std::copy(p.bias + col, p.bias + col + valid, bias);
-    for (int r = 0; r < R; ++r) {
-      alignas(32) float result[kCols];
-      _mm256_store_ps(result, _mm256_add_ps(y[c][r], _mm256_load_ps(bias)));
-      std::copy(result, result + valid, p.out + (row + r) * p.n + col);
-    }
-  }
-}
-
-// One row: four column blocks at a time (their loads overlap and x's broadcasts are shared). Several rows: four
-// rows by one block, so each weight vector loaded feeds four rows.
-//
-// At one row the step is a stream of the weight from memory, and the hardware prefetcher alone does not keep
-// it going: a tile reads four streams a few KB long each, which end about when the prefetcher has ramped up, so
-// the tile's arithmetic and the next tile's reads take turns. Each tile prefetches the next four blocks
-// (contiguous with its own) while it computes, up to ahead_end (claims.h): the small model's 49 int4 linears,
-// cold, 2 threads, went from 6.4 to 5.3 ms a step (a plain sum over the same bytes: 3.7 ms), AVX2 host.
-template <int BITS>
-TIDAL_TARGET void run_blocks(const Problem& p, int64_t begin, int64_t end, int64_t ahead_end) {
-  if (p.m == 1) {
-    const int64_t line = block_bytes(p.k, BITS);
-    const int64_t xblocks = p.k / kXBlock;
-    int64_t block = begin;
-    for (; block + 4 <= end; block += 4) {
-      Ahead ahead;
-      const int64_t next = std::min<int64_t>(4, ahead_end - (block + 4));
-      if (next > 0) {
-        ahead.base = reinterpret_cast<const char*>(p.w + (block + 4) * line);
-        ahead.bytes = next * line;
-        ahead.per_block = (ahead.bytes / xblocks + 63) / 64 * 64;
-        for (int64_t at = 0; at < next * p.groups * kCols * int64_t(sizeof(float)); at += 64)  // and its scales
-          _mm_prefetch(reinterpret_cast<const char*>(p.scales + (block + 4) * p.groups * kCols) + at, _MM_HINT_T1);
-      }
-      tile<1, 4, BITS>(p, 0, block, ahead);
-    }
-    for (; block < end; ++block) tile<1, 1, BITS>(p, 0, block);
-    return;
-  }
-  for (int64_t block = begin; block < end; ++block) {
-    int64_t row = 0;
-    for (; row + 4 <= p.m; row += 4) tile<4, 1, BITS>(p, row, block);
-    switch (p.m - row) {
-      case 3: tile<3, 1, BITS>(p, row, block); break;
-      case 2: tile<2, 1, BITS>(p, row, block); break;
-      case 1: tile<1, 1, BITS>(p, row, block); break;
-      default: break;
-    }
-  }
-}
-
 #undef TIDAL_TARGET
+
+// The tiles, once per instruction set (linear_int_a8_tile.h). vpmaddubsw sums pairs of byte products into int16
+// (saturating: the bounds above keep them exact) and vpmaddwd widens them, three instructions per 32 bytes;
+// AVX512-VNNI's vpdpbusd (Zen 4, Ice Lake and later) does the same in one.
+namespace avx2 {
+#define TIDAL_TARGET __attribute__((target("avx2,fma")))
+constexpr int kRowsCols = 1;  // 16 ymm registers: four rows' float and int sums of one block fill them
+TIDAL_TARGET inline __m256i dot(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+TIDAL_TARGET inline __m256i dot2(__m256i acc, __m256i u, __m256i s, __m256i v, __m256i t) {
+  return _mm256_add_epi32(
+      acc, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u, s), _mm256_maddubs_epi16(v, t)),
+                             _mm256_set1_epi16(1)));
+}
+#include "linear_int_a8_tile.h"
+#undef TIDAL_TARGET
+}  // namespace avx2
+
+namespace vnni {
+#define TIDAL_TARGET __attribute__((target("avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma")))
+// 32 registers: two blocks, so eight vpdpbusd chains are in flight (one alone waits out its latency, ~5 cycles)
+constexpr int kRowsCols = 2;
+TIDAL_TARGET inline __m256i dot(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+TIDAL_TARGET inline __m256i dot2(__m256i acc, __m256i u, __m256i s, __m256i v, __m256i t) {
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, u, s), v, t);
+}
+#include "linear_int_a8_tile.h"
+#undef TIDAL_TARGET
+}  // namespace vnni
+
+// Whether this CPU runs the vnni tiles. TIDAL_CPU_INT_DOT=avx2 keeps the AVX2 ones (tests compare the two).
+bool use_vnni() {
+  __builtin_cpu_init();
+  const char* forced = std::getenv("TIDAL_CPU_INT_DOT");
+  if (forced != nullptr && std::string(forced) == "avx2") return false;
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f");
+}
 #endif
 
 }  // namespace
@@ -260,6 +170,16 @@ bool linear_int_a8_supported() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #else
   return false;
+#endif
+}
+
+// The tiles this CPU runs: "avx512_vnni", "avx2", or "" (none: unsupported).
+std::string linear_int_a8_isa() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool vnni_dot = use_vnni();
+  return linear_int_a8_supported() ? (vnni_dot ? "avx512_vnni" : "avx2") : "";
+#else
+  return "";
 #endif
 }
 
@@ -316,9 +236,15 @@ void linear_int_a8_into(const float* x, int64_t m, const A8Linear& w, float* out
   // chunks of whole 4-block tiles; every thread joins once the work is worth a second thread
   const int64_t blocks = (w.n + kCols - 1) / kCols;
   const int64_t threads = m * w.n * w.padded_k >= kSplitWork ? at::get_num_threads() : 1;
+  static const bool vnni_dot = linear_int_a8_isa() == "avx512_vnni";
   tidal_cpu::parallel_claims(blocks, 4, threads, [&](int64_t begin, int64_t end, int64_t ahead_end) {
-    if (w.bits == 8) run_blocks<8>(p, begin, end, ahead_end);
-    else run_blocks<4>(p, begin, end, ahead_end);
+    if (vnni_dot) {
+      if (w.bits == 8) vnni::run_blocks<8>(p, begin, end, ahead_end);
+      else vnni::run_blocks<4>(p, begin, end, ahead_end);
+    } else {
+      if (w.bits == 8) avx2::run_blocks<8>(p, begin, end, ahead_end);
+      else avx2::run_blocks<4>(p, begin, end, ahead_end);
+    }
   });
 #endif
 }
