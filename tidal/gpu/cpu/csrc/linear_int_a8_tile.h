@@ -125,8 +125,12 @@ TIDAL_TARGET void run_blocks(const Problem& p, int64_t begin, int64_t end, int64
         ahead.base = reinterpret_cast<const char*>(p.w + (block + 4) * line);
         ahead.bytes = next * line;
         ahead.per_block = (ahead.bytes / xblocks + 63) / 64 * 64;
-        for (int64_t at = 0; at < next * p.groups * kCols * int64_t(sizeof(float)); at += 64)  // and its scales
-          _mm_prefetch(reinterpret_cast<const char*>(p.scales + (block + 4) * p.groups * kCols) + at, _MM_HINT_T1);
+        // and its scales and offsets: two more streams, which the prefetcher does not follow either
+        const int64_t first = (block + 4) * p.groups * kCols, bytes = next * p.groups * kCols * int64_t(sizeof(float));
+        for (int64_t at = 0; at < bytes; at += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(p.scales + first) + at, _MM_HINT_T1);
+          if (p.offsets != nullptr) _mm_prefetch(reinterpret_cast<const char*>(p.offsets + first) + at, _MM_HINT_T1);
+        }
       }
       tile<1, 4, BITS>(p, 0, block, ahead);
     }
