@@ -17,9 +17,10 @@
 // scales, offsets: float32 [blocks, groups, 8]. K is padded to a multiple of 32 with zero weights; a group is a
 // multiple of 32 inputs (the last may be shorter) or the whole row.
 //
-// AVX2 code (an AVX-512 CPU runs it too): vpmaddubsw multiplies unsigned by signed bytes, so int8 weights go
-// in as |q| with x's sign flipped where q < 0 (vpsignb); int4's u is already unsigned. Sums of two products
-// stay within int16 (128 * 127 * 2 < 32768; int4's four: 15 * 127 * 4 < 32768).
+// 256-bit code on AVX2, with AVX512-VNNI's vpdpbusd where the CPU has it (the tiles below). Both multiply unsigned
+// by signed bytes, so int8 weights go in as |q| with x's sign flipped where q < 0 (vpsignb); int4's u is already
+// unsigned. On AVX2 vpmaddubsw's sums of two products stay within int16 (128 * 127 * 2 < 32768; int4's four:
+// 15 * 127 * 4 < 32768), so both paths sum the same integers exactly.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
