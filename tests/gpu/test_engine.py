@@ -308,3 +308,31 @@ def test_the_first_output_carries_the_engines_stamps_in_order_and_only_the_first
     assert len(first.prefill_chunks) == 3
     assert first.scheduled_at == first.prefill_chunks[0]
     assert first.prefill_chunks == sorted(first.prefill_chunks) and first.sampled_at >= first.prefill_chunks[-1]
+
+
+def test_a_cpu_step_below_the_one_thread_bound_runs_on_one_thread_and_gives_the_threads_back(hf_model_dir):
+    """A CPU pass multiplying fewer than ONE_THREAD_MACS weights (rows x the weights of one row) runs on one
+    thread; at the bound and above on all; after the pass the caller's thread count is back."""
+    from tidal.gpu.model_runner import ONE_THREAD_MACS
+
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("torch runs one thread here: nothing to drop to")
+    engine = Engine(EngineConfig(model=hf_model_dir("llama"), dtype="float32", enable_prefix_caching=False))
+    runner = engine.runner
+    assert 0 < runner.row_macs < ONE_THREAD_MACS  # a tiny model: one decode row is below the bound
+    seen: list[tuple[int, int]] = []  # (rows, threads) of each pass
+    forward = runner.model.forward
+
+    def recording(batch, kv_caches):
+        seen.append((batch.input_ids.shape[0], torch.get_num_threads()))
+        return forward(batch, kv_caches)
+
+    runner.model.forward = recording
+    rows_at_bound = 8
+    runner.row_macs = ONE_THREAD_MACS // rows_at_bound  # so a prefill of 8 tokens is exactly at the bound
+    run_engine(engine, {1: ([5] * (rows_at_bound - 1), greedy(2))})  # a prefill of 7 rows, then 1-row decodes
+    run_engine(engine, {2: ([7] * rows_at_bound, greedy(2))})  # a prefill of 8 rows
+    assert seen[0] == (rows_at_bound - 1, 1) and (1, 1) in seen and (rows_at_bound, threads) in seen
+    assert all(n == (1 if rows < rows_at_bound else threads) for rows, n in seen)
+    assert torch.get_num_threads() == threads
