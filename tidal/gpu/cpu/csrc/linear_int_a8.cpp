@@ -153,13 +153,16 @@ TIDAL_TARGET inline __m256i dot2(__m256i acc, __m256i u, __m256i s, __m256i v, _
 #undef TIDAL_TARGET
 }  // namespace vnni
 
-// Whether this CPU runs the vnni tiles. TIDAL_CPU_INT_DOT=avx2 keeps the AVX2 ones (tests compare the two).
-bool use_vnni() {
-  __builtin_cpu_init();
-  const char* forced = std::getenv("TIDAL_CPU_INT_DOT");
-  if (forced != nullptr && std::string(forced) == "avx2") return false;
-  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f");
+// Whether this CPU runs the vnni tiles, decided once. TIDAL_CPU_INT_DOT=avx2 keeps the AVX2 ones (tests compare them).
+bool vnni_tiles() {
+  static const bool vnni = [] {
+    __builtin_cpu_init();
+    const char* forced = std::getenv("TIDAL_CPU_INT_DOT");
+    if (forced != nullptr && std::string(forced) == "avx2") return false;
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f");
+  }();
+  return vnni;
 }
 #endif
 
@@ -177,8 +180,7 @@ bool linear_int_a8_supported() {
 // The tiles this CPU runs: "avx512_vnni", "avx2", or "" (none: unsupported).
 std::string linear_int_a8_isa() {
 #if defined(__x86_64__) || defined(__i386__)
-  static const bool vnni_dot = use_vnni();
-  return linear_int_a8_supported() ? (vnni_dot ? "avx512_vnni" : "avx2") : "";
+  return linear_int_a8_supported() ? (vnni_tiles() ? "avx512_vnni" : "avx2") : "";
 #else
   return "";
 #endif
@@ -237,9 +239,9 @@ void linear_int_a8_into(const float* x, int64_t m, const A8Linear& w, float* out
   // chunks of whole 4-block tiles; every thread joins once the work is worth a second thread
   const int64_t blocks = (w.n + kCols - 1) / kCols;
   const int64_t threads = m * w.n * w.padded_k >= kSplitWork ? at::get_num_threads() : 1;
-  static const bool vnni_dot = linear_int_a8_isa() == "avx512_vnni";
+  const bool vnni = vnni_tiles();
   tidal_cpu::parallel_claims(blocks, 4, threads, [&](int64_t begin, int64_t end, int64_t ahead_end) {
-    if (vnni_dot) {
+    if (vnni) {
       if (w.bits == 8) vnni::run_blocks<8>(p, begin, end, ahead_end);
       else vnni::run_blocks<4>(p, begin, end, ahead_end);
     } else {

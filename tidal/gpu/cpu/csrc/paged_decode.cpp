@@ -182,14 +182,10 @@ void decode_all(const scalar_t* q, int64_t q_stride_b, int64_t q_stride_h, int64
 
   int64_t total_len = 0;
   for (int64_t len : seq_lens) total_len += len;
-  // enough (sequence, kv head) tasks per chunk that a chunk is worth a thread (~256K flops). At one decode
-  // row the cached K/V rows come from memory (the step's weight stream evicted them) and one core reads them
-  // at about half the host's bandwidth, so even a lone sequence splits its kv heads once each is worth it:
-  // the small anchor model (4 kv heads of group 3) reads them on two threads from 86 cached tokens, its decoder
-  // stack ~9% faster at one row (AVX2 host); the tiny one (2 kv heads of group 2) from 257.
+  // enough (sequence, kv head) tasks per chunk that a chunk is worth a thread (kAttentionChunkFlops)
   const int64_t tasks = num_seqs * num_kv_heads;
   const int64_t flops_per_task = std::max<int64_t>(1, 4 * group * dim * total_len / std::max<int64_t>(1, num_seqs));
-  const int64_t grain = std::max<int64_t>(1, (1 << 18) / flops_per_task);
+  const int64_t grain = std::max<int64_t>(1, kAttentionChunkFlops / flops_per_task);
   // a task per claim (claims.h): a thread that falls behind has its last tasks taken over
   tidal_cpu::parallel_claims(tasks, 1, (tasks + grain - 1) / grain, [&](int64_t begin, int64_t end, int64_t) {
     thread_local std::vector<float> buf;

@@ -313,10 +313,9 @@ void paged_decode_bf16(const c10::BFloat16* query, int64_t q_stride_b, int64_t q
   const int64_t kv_per_task = num_kv_heads / splits, tasks = num_seqs * splits;
   int64_t total_len = 0;
   for (int64_t len : seq_lens) total_len += len;
-  // enough tasks per chunk that a chunk is worth a thread (~256K flops, the rule and the reason of paged_decode.cpp:
-  // the K/V rows come from memory, which one core reads at about half the host's bandwidth)
+  // enough tasks per chunk that a chunk is worth a thread (kAttentionChunkFlops, paged_decode_bf16.h)
   const int64_t flops_per_task = std::max<int64_t>(1, 4 * num_heads / splits * dim * total_len / std::max<int64_t>(1, num_seqs));
-  const int64_t grain = std::max<int64_t>(1, (1 << 18) / flops_per_task);
+  const int64_t grain = std::max<int64_t>(1, kAttentionChunkFlops / flops_per_task);
   // a task per claim (claims.h): a thread that falls behind has its last sequences taken over
   parallel_claims(tasks, 1, (tasks + grain - 1) / grain, [&](int64_t begin, int64_t end, int64_t ahead_end) {
     thread_local Scratch scratch;

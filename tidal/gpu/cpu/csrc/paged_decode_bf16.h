@@ -9,6 +9,14 @@
 
 namespace tidal_cpu {
 
+// Flops of decode attention worth a thread, for both kernels (paged_decode.cpp, paged_decode_bf16.cpp): enough
+// (sequence, kv head) tasks go in one chunk to reach it. At one decode row the cached K/V rows come from memory
+// (the step's weight stream evicted them) and one core reads them at about half the host's bandwidth, so even a
+// lone sequence splits its kv heads once each is worth it: the small anchor model (4 kv heads of group 3) reads
+// them on two threads from 86 cached tokens, its decoder stack ~9% faster at one row (AVX2 host); the tiny one
+// (2 kv heads of group 2) from 257.
+constexpr int64_t kAttentionChunkFlops = 1 << 18;
+
 // Whether this CPU runs the AVX512-BF16 path and `dim` suits it (a multiple of 32, at most 256).
 bool paged_decode_bf16_supported(int64_t dim);
 
