@@ -5,7 +5,7 @@ a prefill beside a decode, then decodes) on their own caches: every step's logit
 cache block must be equal, and the decode steps must not run the Python layers at all. Covered for each
 architecture switch the stack reads (q/k/v bias and tied embeddings: qwen2; q/k norms: qwen3) and for both
 linears it drives (bf16 on AVX512-BF16; float32 on bf16-stored weights, the AVX2 path; float32 on int8 and
-int4 weights, with float or int8 activations).
+int4 weights, with float or int8 activations; bf16 on int8 and int4 weights with int8 activations).
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ LINEARS = {
     # and with int8 activations (csrc/linear_int_a8.cpp)
     "w8a8": (torch.float32, None, int_linear_ops(CPU) is not None),
     "w4a8": (torch.float32, None, int_linear_ops(CPU) is not None),
+    # bf16 activations on int8-activation weights: what --quantization w8a8/w4a8 runs on an AVX512-BF16 host
+    "w8a8-bf16": (torch.bfloat16, None, int_linear_ops(CPU) is not None and gemv_ops(torch.bfloat16, CPU) is not None),
+    "w4a8-bf16": (torch.bfloat16, None, int_linear_ops(CPU) is not None and gemv_ops(torch.bfloat16, CPU) is not None),
 }
 
 
@@ -41,7 +44,7 @@ def load(model_dir: str, linears: str, monkeypatch, stack: bool):
     with monkeypatch.context() as env:
         env.setenv("TIDAL_CPU_STACK", "1" if stack else "0")
         model, config = load_model(model_dir, dtype, CPU, TorchPagedAttention(CPU), linear_weights=linear_weights,
-                                   quantize=linears if linears in ON_THE_FLY else None)
+                                   quantize=scheme if (scheme := linears.removesuffix("-bf16")) in ON_THE_FLY else None)
     return model, config, dtype
 
 
