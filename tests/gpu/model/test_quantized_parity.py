@@ -186,3 +186,23 @@ def test_an_unsupported_scheme_is_refused_naming_it(compressed_dir, tmp_path, we
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         load(str(tmp_path))
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8"])
+def test_a_bf16_models_int8_head_gives_float32_logits_not_rounded_to_bf16(dense_dir, scheme):
+    """With bf16 activations (an AVX512-BF16 host's default) the rounded LM head's logits are its float32 sums over
+    the bf16 hidden states: the head's int8 weights times the rows rounded to int8 blocks, not those sums rounded
+    to bf16 and widened again (a bf16 logit is off by up to 1/256 of its size: ties and top-p cut-offs move)."""
+    model, config = load_model(dense_dir("llama"), torch.bfloat16, torch.device("cpu"), TorchPagedAttention(),
+                               quantize=scheme)
+    hidden = torch.randn(3, config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.no_grad():
+        logits = model.compute_logits(hidden)
+    checkpoint = load_file(os.path.join(dense_dir("llama"), "model.safetensors"))
+    dense = checkpoint.get("lm_head.weight", checkpoint["model.embed_tokens.weight"])  # tied or not
+    weight = quantize(dense.to(torch.bfloat16), LM_HEAD_A8).dequantize().float()  # rounded as at load
+    (rows,) = round_activations_to_int8_blocks(None, (hidden.float(),))
+    expected = rows @ weight.T
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(logits, logits.bfloat16().float())  # finer than bf16

@@ -202,8 +202,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] of the rows of ``forward``'s output that sample (tensor-parallel:
         on rank 0; the other ranks return None after sending their vocabulary slice)."""
-        if self._packed_lm_head is not None:
-            logits = self._packed_lm_head(hidden_rows).float()
+        head = self._packed_lm_head
+        if head is not None and isinstance(head.int_packed, PackedInt):
+            # the int kernel sums in float32 whatever x's dtype: its float result as it is, not rounded to
+            # bf16 and widened again (two ops, and a bf16 model's logits keep their float precision)
+            logits = head.int_packed.linear(hidden_rows.float(), head.bias)
+        elif head is not None:
+            logits = head(hidden_rows).float()
         else:
             logits = F.linear(hidden_rows, self.lm_head_weight).float()
         if self.tp is None:
