@@ -18,9 +18,10 @@
 // multiple of 32 inputs (the last may be shorter) or the whole row.
 //
 // 256-bit code on AVX2, with AVX512-VNNI's vpdpbusd where the CPU has it (the tiles below). Both multiply unsigned
-// by signed bytes, so int8 weights go in as |q| with x's sign flipped where q < 0 (vpsignb); int4's u is already
-// unsigned. On AVX2 vpmaddubsw's sums of two products stay within int16 (128 * 127 * 2 < 32768; int4's four:
-// 15 * 127 * 4 < 32768), so both paths sum the same integers exactly.
+// by signed bytes; int4's u is already unsigned. On AVX2 int8 weights go in as |q| with x's sign flipped where
+// q < 0 (vpsignb), so vpmaddubsw's sums of two products stay within int16 (128 * 127 * 2 < 32768; int4's four:
+// 15 * 127 * 4 < 32768). vpdpbusd sums into int32, so there an int8 weight goes in as q + 128 (an xor) and
+// 128 x each block's sum of x comes off its int32 sum. Both paths sum the same integers exactly.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -57,6 +58,7 @@ inline int64_t block_bytes(int64_t k, int64_t bits) { return bits == 8 ? k * kCo
 struct Problem {
   const int8_t* qx;    // [M, K] x quantized
   const float* sx;     // [M, K / 32] its scales
+  const int32_t* qsum; // [M, K / 32] the sum of each block of qx (the unsigned int8 tiles take 128 x it off)
   const float* sumx;   // [M, groups] sum of x' over each group (for the offsets)
   const uint8_t* w;    // packed weight
   const float* scales;
@@ -84,8 +86,9 @@ TIDAL_TARGET inline int horizontal_sum(__m256i v) {
 }
 
 // One row of x [K] to int8 blocks of 32 (round half to even; a last partial block is padded with zeros), their
-// scales and per-group sums of x'. qx and sx have room for K rounded up to 32.
-TIDAL_TARGET void quantize_row(const float* x, int64_t k, int64_t group_size, int8_t* qx, float* sx, float* sumx) {
+// scales, their integer sums and the per-group sums of x'. qx, sx and qsum have room for K rounded up to 32.
+TIDAL_TARGET void quantize_row(const float* x, int64_t k, int64_t group_size, int8_t* qx, float* sx, int32_t* qsum,
+                               float* sumx) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b * kXBlock < k; ++b) {
@@ -111,6 +114,7 @@ TIDAL_TARGET void quantize_row(const float* x, int64_t k, int64_t group_size, in
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx + b * kXBlock), _mm256_permutevar8x32_epi32(bytes, order));
     sx[b] = scale;
+    qsum[b] = total;
     sumx[b * kXBlock / group_size] += scale * static_cast<float>(total);
   }
 }
@@ -129,6 +133,8 @@ struct Ahead {
 namespace avx2 {
 #define TIDAL_TARGET __attribute__((target("avx2,fma")))
 constexpr int kRowsCols = 1;  // 16 ymm registers: four rows' float and int sums of one block fill them
+// vpmaddubsw's int16 pair sums would overflow on unsigned int8 weights (255 * 127 * 2): |q| and x's sign instead
+constexpr bool kUnsignedInt8 = false;
 TIDAL_TARGET inline __m256i dot(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
@@ -145,6 +151,9 @@ namespace vnni {
 #define TIDAL_TARGET __attribute__((target("avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma")))
 // 32 registers: two blocks, so eight vpdpbusd chains are in flight (one alone waits out its latency, ~5 cycles)
 constexpr int kRowsCols = 2;
+// vpdpbusd sums into int32: an int8 weight goes in as q + 128 (one xor), and 128 x the block's sum of x comes off
+// after, instead of two sign ops per weight vector and row
+constexpr bool kUnsignedInt8 = true;
 TIDAL_TARGET inline __m256i dot(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 TIDAL_TARGET inline __m256i dot2(__m256i acc, __m256i u, __m256i s, __m256i v, __m256i t) {
   return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, u, s), v, t);
@@ -226,13 +235,16 @@ void linear_int_a8_into(const float* x, int64_t m, const A8Linear& w, float* out
   // cost about as much as a small layer's arithmetic
   thread_local std::vector<int8_t> qx;
   thread_local std::vector<float> sx, sumx;
+  thread_local std::vector<int32_t> qsum;
+  const int64_t xblocks = w.padded_k / kXBlock;
   qx.resize(m * w.padded_k);
-  sx.resize(m * (w.padded_k / kXBlock));
+  sx.resize(m * xblocks);
+  qsum.resize(m * xblocks);
   sumx.assign(m * w.groups, 0.0f);
   for (int64_t r = 0; r < m; ++r)
-    quantize_row(x + r * w.k, w.k, w.group_size, qx.data() + r * w.padded_k, sx.data() + r * (w.padded_k / kXBlock),
-                 sumx.data() + r * w.groups);
-  const Problem p{qx.data(), sx.data(), sumx.data(), static_cast<const uint8_t*>(w.packed.data_ptr()),
+    quantize_row(x + r * w.k, w.k, w.group_size, qx.data() + r * w.padded_k, sx.data() + r * xblocks,
+                 qsum.data() + r * xblocks, sumx.data() + r * w.groups);
+  const Problem p{qx.data(), sx.data(), qsum.data(), sumx.data(), static_cast<const uint8_t*>(w.packed.data_ptr()),
                   w.scales.data_ptr<float>(), w.offsets.defined() ? w.offsets.data_ptr<float>() : nullptr,
                   w.bias.defined() ? w.bias.data_ptr<float>() : nullptr, out,
                   m, w.n, w.padded_k, w.bits, w.group_size, w.groups};

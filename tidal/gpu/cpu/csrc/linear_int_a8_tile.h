@@ -4,6 +4,7 @@
 //   __m256i dot(acc, u, s): acc + the sums of each 4 consecutive products u[j] * s[j] (u unsigned, s signed bytes),
 //   __m256i dot2(acc, u, s, v, t): dot(dot(acc, u, s), v, t),
 //   kRowsCols: the column blocks a tile of several rows covers (as many as the registers hold),
+//   kUnsignedInt8: int8 weights go in as q + 128 (dot must not saturate) rather than as |q| with x's sign flipped,
 // so both paths run the same algorithm and give the same integers.
 //
 // No include guard: it is meant to be included once per namespace.
@@ -19,6 +20,7 @@ TIDAL_TARGET inline __m256i broadcast4(const int8_t* p) {
 template <int R, int C, int BITS>
 TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, int64_t block, Ahead ahead = {}) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));  // q + 128 as an unsigned byte: q xor 0x80
   const int64_t line = block_bytes(p.k, BITS);
   const int64_t xblocks = p.k / kXBlock, per_group = p.group_size / kXBlock;
   const uint8_t* w = p.w + block * line;
@@ -41,8 +43,19 @@ TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, 
           for (int r = 0; r < R; ++r) xv[r] = broadcast4(p.qx + (row + r) * p.k + i);
           for (int c = 0; c < C; ++c) {
             const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * line + i * kCols));
-            const __m256i magnitude = _mm256_sign_epi8(wv, wv);
-            for (int r = 0; r < R; ++r) acc[c][r] = dot(acc[c][r], magnitude, _mm256_sign_epi8(xv[r], wv));
+            if constexpr (kUnsignedInt8) {
+              const __m256i shifted = _mm256_xor_si256(wv, flip);
+              for (int r = 0; r < R; ++r) acc[c][r] = dot(acc[c][r], shifted, xv[r]);
+            } else {
+              const __m256i magnitude = _mm256_sign_epi8(wv, wv);
+              for (int r = 0; r < R; ++r) acc[c][r] = dot(acc[c][r], magnitude, _mm256_sign_epi8(xv[r], wv));
+            }
+          }
+        }
+        if constexpr (kUnsignedInt8) {  // sum (q + 128) x - 128 sum x = sum q x, exactly, as the other path's
+          for (int r = 0; r < R; ++r) {
+            const __m256i excess = _mm256_set1_epi32(128 * p.qsum[(row + r) * xblocks + b]);
+            for (int c = 0; c < C; ++c) acc[c][r] = _mm256_sub_epi32(acc[c][r], excess);
           }
         }
       } else {
