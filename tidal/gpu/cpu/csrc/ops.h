@@ -55,7 +55,7 @@ struct A8Linear {
 A8Linear a8_linear(const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
                    int64_t n, int64_t k, int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias);
 void linear_int_a8_into(const float* x, int64_t m, const A8Linear& w, float* out);
-std::string linear_int_a8_isa();  // the dot products it runs on this CPU: "avx512_vnni", "avx2" or 
+std::string linear_int_a8_isa();  // the dot products it runs on this CPU: "avx512_vnni", "avx2", or "" (none)
 
 // paged_decode.cpp
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
