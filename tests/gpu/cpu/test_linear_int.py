@@ -75,3 +75,30 @@ def test_a_wrong_shape_is_refused(ops):
     weight = PackedInt(quantize(torch.randn(16, 64), Scheme(8, None)), ops)
     with pytest.raises(RuntimeError, match="packed weight has shape"):
         ops.linear_int(torch.randn(1, 32), weight.packed, weight.scales, None, 16, 8, 32, 16, None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 12), n=st.integers(1, 70), half_k=st.integers(1, 150), group=st.sampled_from([None, 32, 128]),
+       symmetric=st.booleans(), with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_int4_on_bf16_rows_is_the_exact_product_rounded_to_bf16(ops, m, n, half_k, group, symmetric, with_bias, seed):
+    """A bf16 model's int4 linears (AVX512-BF16 hosts: bf16 dot products on the rows as they are; elsewhere the
+    float tile) give the exact product within float32 sums and one bf16 rounding, for any shape and grouping."""
+    k = 2 * half_k
+    generator = torch.Generator().manual_seed(seed)
+    weight = quantize(torch.randn(n, k, generator=generator), Scheme(4, group))
+    if not symmetric:
+        weight = with_zero_points(weight, seed)
+    x = torch.randn(m, k, generator=generator).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16() if with_bias else None
+    out = PackedInt(weight, ops).linear(x, bias)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    exact = x.double() @ weight.dequantize().double().T + (0 if bias is None else bias.double())
+    # the bf16 dot products sum x * (128 + q) and take 128 * sum(x) * scale off: terms up to (143 + |zero point|)
+    # times the scale enter the float32 sums
+    zero_points = 0 if weight.zero_points is None else weight.zero_points.double().abs().repeat_interleave(
+        weight.group_size, dim=1)[:, :k]
+    per_weight = (160 + zero_points) * weight.scales.double().repeat_interleave(weight.group_size, dim=1)[:, :k]
+    magnitude = x.double().abs() @ per_weight.T + (0 if bias is None else bias.double().abs())
+    bound = exact.abs() * 2.0**-8 + magnitude * (k + 4) * 2.0**-23 + 1e-30
+    error = (out.double() - exact).abs()
+    assert (error <= bound).all(), f"max error {error.max():.3g}"

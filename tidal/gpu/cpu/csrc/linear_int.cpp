@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -43,8 +44,10 @@ constexpr int64_t kBlock = 16;           // output columns per packed block
 constexpr int64_t kTaskBytes = 1 << 19;  // weight bytes below which another thread costs more than it saves
 
 struct Problem {
-  const float* x;  // [M, K], rows x_stride apart
+  const float* x;  // [M, K], rows x_stride apart (null on the bf16 int4 path, which reads xb)
   int64_t x_stride;
+  const uint16_t* xb;   // bf16 rows, x_stride apart (the bf16 int4 path only)
+  const float* xsum;    // [M, groups]: each row's sum of x over each group (the bf16 int4 path only)
   const uint8_t* w;        // packed weight
   const float* scales;     // [blocks, groups, 16]
   const float* offsets;    // [blocks, groups, 16] or null (symmetric int8 per channel)
@@ -118,6 +121,94 @@ TIDAL_TARGET inline void store(float* dst, V v, int64_t valid) {
 #undef TIDAL_TARGET
 }  // namespace avx2
 
+// int4 weights against bf16 rows, on a CPU with AVX512-BF16 and VBMI (the activations `--dtype auto` gives
+// there): four input pairs of a block's 16 columns (64 bytes) become four vectors of 16 bf16 pairs in eleven
+// integer ops, and one `vdpbf16ps` per vector and row multiplies them, where the float tile spends ~13 ops per 32
+// weights widening and scaling (compute-bound at one row: the small model's int4 step ran at bf16's speed). A
+// nibble q becomes the bf16 128 + q exactly (q in the mantissa under 128's exponent, 0x4300), so a group's sums
+// are D = sum(x q) + 128 X, with X the row's sum of x over the group; its weights q * scale - offset then give
+// scale * D - (128 * scale + offset) * X. The products are exact and the sums float32, as in the float tile.
+namespace avx512bf16 {
+#define TIDAL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx2,fma")))
+
+TIDAL_TARGET inline __m512bh x_pair(const uint16_t* x) {
+  int32_t pair;
+  std::memcpy(&pair, x, sizeof(pair));
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+// Byte indices into (low nibbles, high nibbles) of four pairs that put pair c's column j in dword j: its input 2i
+// (low nibble) in bytes 0-1, 2i + 1 (high nibble) in bytes 2-3 (the odd bytes are zeroed by the caller's mask).
+TIDAL_TARGET inline __m512i pair_index(int c) {
+  alignas(64) uint8_t index[64];
+  for (int b = 0; b < 64; ++b) index[b] = static_cast<uint8_t>((b % 4 == 2 ? 64 : 0) + 16 * c + b / 4);
+  return _mm512_load_si512(index);
+}
+
+// Rows [row, row + ROWS) by the 16 columns of `block`. One row keeps four sums in flight (vdpbf16ps' latency).
+template <int ROWS>
+TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, int64_t block) {
+  constexpr int C = ROWS == 1 ? 4 : ROWS == 2 ? 2 : 1;
+  const __m512i index[4] = {pair_index(0), pair_index(1), pair_index(2), pair_index(3)};
+  const __m512i nibble = _mm512_set1_epi8(0x0F), exponent = _mm512_set1_epi32(0x43004300);
+  constexpr __mmask64 kEvenBytes = 0x5555555555555555ULL;
+  __m512 y[ROWS];
+  _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r) y[r] = _mm512_setzero_ps();
+  const uint16_t* x = p.xb + row * p.x_stride;
+  const float* xsum = p.xsum + row * p.groups;
+  const uint8_t* w = p.w + block * (p.k / 2) * kBlock;
+  const float* scales = p.scales + block * p.groups * kBlock;
+  const float* offsets = p.offsets + block * p.groups * kBlock;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const int64_t first = g * p.group_size / 2, last = std::min(p.k, (g + 1) * p.group_size) / 2;
+    __m512 acc[C][ROWS];
+    _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c)
+      _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r) acc[c][r] = _mm512_setzero_ps();
+    for (int64_t i = first; i < last; i += 4) {
+      const int64_t pairs = std::min<int64_t>(4, last - i);
+      const __m512i v = pairs == 4 ? _mm512_loadu_si512(w + i * kBlock)
+                                   : _mm512_maskz_loadu_epi8((~0ULL) >> (64 - 16 * pairs), w + i * kBlock);
+      const __m512i low = _mm512_and_si512(v, nibble), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      _Pragma("GCC unroll 4") for (int c = 0; c < 4; ++c) {
+        if (c >= pairs) break;
+        const __m512bh wv = (__m512bh)_mm512_or_si512(
+            _mm512_maskz_permutex2var_epi8(kEvenBytes, low, index[c], high), exponent);
+        _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r)
+          acc[c % C][r] = _mm512_dpbf16_ps(acc[c % C][r], x_pair(x + r * p.x_stride + 2 * (i + c)), wv);
+      }
+    }
+    const __m512 scale = _mm512_loadu_ps(scales + g * kBlock);
+    const __m512 x_weight = _mm512_fmadd_ps(scale, _mm512_set1_ps(128.0f), _mm512_loadu_ps(offsets + g * kBlock));
+    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r) {
+      __m512 d = acc[0][r];
+      _Pragma("GCC unroll 4") for (int c = 1; c < C; ++c) d = _mm512_add_ps(d, acc[c][r]);
+      y[r] = _mm512_fmadd_ps(scale, d, y[r]);
+      y[r] = _mm512_fnmadd_ps(x_weight, _mm512_set1_ps(xsum[r * p.groups + g]), y[r]);
+    }
+  }
+  const int64_t col = block * kBlock;
+  const int64_t valid = std::min<int64_t>(kBlock, p.n - col);
+  const __mmask16 lanes = valid >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+  const __m512 bias = p.bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(lanes, p.bias + col);
+  _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r)
+    _mm512_mask_storeu_ps(p.out + (row + r) * p.n + col, lanes, _mm512_add_ps(y[r], bias));
+}
+
+TIDAL_TARGET void run(const Problem& p, int64_t begin, int64_t end) {
+  for (int64_t block = begin; block < end; ++block) {
+    for (int64_t row = 0; row < p.m; row += 4) {
+      switch (std::min<int64_t>(4, p.m - row)) {
+        case 1: tile<1>(p, row, block); break;
+        case 2: tile<2>(p, row, block); break;
+        case 3: tile<3>(p, row, block); break;
+        default: tile<4>(p, row, block); break;
+      }
+    }
+  }
+}
+#undef TIDAL_TARGET
+}  // namespace avx512bf16
+
 // The instruction set the kernel runs with on this CPU: "avx512", "avx2", or "" (none: unsupported).
 const char* cpu_isa() {
   __builtin_cpu_init();
@@ -127,9 +218,17 @@ const char* cpu_isa() {
   return "";
 }
 
+// Whether int4 weights against bf16 rows run on the bf16 dot products (avx512bf16 above).
+bool bf16_dots() {
+  __builtin_cpu_init();
+  return std::string(cpu_isa()) == "avx512" && __builtin_cpu_supports("avx512bf16") &&
+         __builtin_cpu_supports("avx512vbmi");
+}
+
 #else
 
 const char* cpu_isa() { return ""; }
+bool bf16_dots() { return false; }
 
 #endif  // TIDAL_X86
 
@@ -178,22 +277,42 @@ at::Tensor linear_int(const at::Tensor& x, const at::Tensor& packed, const at::T
     TORCH_CHECK(bias->numel() == n, "bias must have N=", n, " values");
     bias32 = bias->to(at::kFloat).contiguous();
   }
+  static const bool bf16_path = bf16_dots();
+  // int4 against bf16 rows multiplies them as they are (bf16 dot products); everything else in float32
+  const bool bf16_rows = bf16_path && bits == 4 && x.scalar_type() == at::kBFloat16;
   at::Tensor rows = x.reshape({-1, k});
-  if (rows.scalar_type() != at::kFloat || rows.stride(1) != 1) rows = rows.to(at::kFloat).contiguous();
+  if (bf16_rows ? rows.stride(1) != 1 : (rows.scalar_type() != at::kFloat || rows.stride(1) != 1))
+    rows = rows.to(at::kFloat).contiguous();
+  if (bf16_rows && rows.scalar_type() != at::kBFloat16) rows = rows.to(at::kBFloat16);
   const int64_t m = rows.size(0);
-  at::Tensor out = at::empty({m, n}, rows.options());
+  at::Tensor out = at::empty({m, n}, rows.options().dtype(at::kFloat));
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   if (m > 0 && n > 0) {
-    Problem p{rows.data_ptr<float>(), rows.stride(0), static_cast<const uint8_t*>(packed.data_ptr()),
+    Problem p{nullptr, rows.stride(0), nullptr, nullptr, static_cast<const uint8_t*>(packed.data_ptr()),
               scales.data_ptr<float>(), offsets.has_value() ? offsets->data_ptr<float>() : nullptr,
               bias.has_value() ? bias32.data_ptr<float>() : nullptr, out.data_ptr<float>(),
               m, n, k, bits, group_size, groups};
+    std::vector<float> xsum;
+    if (bf16_rows) {
+      const at::BFloat16* xb = rows.data_ptr<at::BFloat16>();
+      p.xb = reinterpret_cast<const uint16_t*>(xb);
+      xsum.assign(m * groups, 0.0f);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < k; ++i) xsum[r * groups + i / group_size] += static_cast<float>(xb[r * p.x_stride + i]);
+      p.xsum = xsum.data();
+    } else {
+      p.x = rows.data_ptr<float>();
+    }
     // split the blocks over threads only where each gets enough weight to stream
     const int64_t block_bytes = line_inputs * kBlock;
     const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, block_bytes * ((m + 3) / 4)));
-    tidal_cpu::parallel_claims(blocks, 1, (blocks + grain - 1) / grain,
-                               [&](int64_t begin, int64_t end, int64_t) { run(p, begin, end); });
+    tidal_cpu::parallel_claims(blocks, 1, (blocks + grain - 1) / grain, [&](int64_t begin, int64_t end, int64_t) {
+#ifdef TIDAL_X86
+      if (bf16_rows) return avx512bf16::run(p, begin, end);
+#endif
+      run(p, begin, end);
+    });
   }
   out = out.view(shape);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
