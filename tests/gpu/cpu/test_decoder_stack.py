@@ -5,7 +5,7 @@ a prefill beside a decode, then decodes) on their own caches: every step's logit
 cache block must be equal, and the decode steps must not run the Python layers at all. Covered for each
 architecture switch the stack reads (q/k/v bias and tied embeddings: qwen2; q/k norms: qwen3) and for both
 linears it drives (bf16 on AVX512-BF16; float32 on bf16-stored weights, the AVX2 path; float32 on int8 and
-int4 weights, with float or int8 activations; bf16 on int8 and int4 weights with int8 activations).
+int4 weights, with float or int8 activations; bf16 on int8 and int4 weights, with bf16 or int8 activations).
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ LINEARS = {
     # bf16 activations on int8-activation weights: what --quantization w8a8/w4a8 runs on an AVX512-BF16 host
     "w8a8-bf16": (torch.bfloat16, None, int_linear_ops(CPU) is not None and gemv_ops(torch.bfloat16, CPU) is not None),
     "w4a8-bf16": (torch.bfloat16, None, int_linear_ops(CPU) is not None and gemv_ops(torch.bfloat16, CPU) is not None),
+    # and on weight-only int8/int4: what --quantization int8/int4 runs there (int4 on bf16 dot products)
+    "int8-bf16": (torch.bfloat16, None, int_linear_ops(CPU) is not None and gemv_ops(torch.bfloat16, CPU) is not None),
+    "int4-bf16": (torch.bfloat16, None, int_linear_ops(CPU) is not None and gemv_ops(torch.bfloat16, CPU) is not None),
 }
 
 

@@ -38,7 +38,8 @@ struct StackLinear {
   int64_t bits = 0, group_size = 0, activation_bits = 16;
   at::Tensor scales;
   std::optional<at::Tensor> offsets;
-  std::optional<A8Linear> a8;  // int8 activations: the weight checked once, run without a tensor per call
+  std::optional<A8Linear> a8;         // int8 activations: the weight checked once, run without a tensor per call
+  std::optional<IntLinear> weight_only;  // int8/int4 weights on float or bf16 activations: the same
 };
 
 struct StackLayer {
@@ -111,6 +112,9 @@ class DecoderStack : public torch::CustomClassHolder {
         if (linears[j]->activation_bits == 8)
           linears[j]->a8 = a8_linear(t[0], t[1], linears[j]->offsets, linears[j]->n, input_features(i, j),
                                      linears[j]->bits, linears[j]->group_size, linears[j]->bias);
+        else
+          linears[j]->weight_only = int_linear(t[0], t[1], linears[j]->offsets, linears[j]->n, input_features(i, j),
+                                               linears[j]->bits, linears[j]->group_size, linears[j]->bias);
       }
     }
   }
@@ -221,8 +225,8 @@ class DecoderStack : public torch::CustomClassHolder {
     return out;
   }
 
-  // Where a linear kind writes: one buffer reused by every layer and forward (the int8-activation kernel writes
-  // into it), or the op's new tensor, held until that kind's next call.
+  // Where a linear kind writes: one buffer reused by every layer and forward (the int kernels write into it), or
+  // the op's new tensor, held until that kind's next call.
   struct LinearOut {
     at::Tensor buffer, result;
   };
@@ -241,6 +245,17 @@ class DecoderStack : public torch::CustomClassHolder {
         float* y32 = buffer<float>(y32_, rows * w.n);
         for (int64_t i = 0; i < rows * k; ++i) x32[i] = static_cast<float>(x[i]);
         linear_int_a8_into(x32, rows, *w.a8, y32);
+        for (int64_t i = 0; i < rows * w.n; ++i) y[i] = static_cast<T>(y32[i]);
+      }
+      return y;
+    }
+    if (w.weight_only.has_value()) {
+      T* y = buffer<T>(out.buffer, rows * w.n);
+      if constexpr (std::is_same_v<T, float>) {
+        linear_int_into(x, rows, k, *w.weight_only, y);
+      } else {  // float32 sums, rounded to bf16 here as linear_int's tensor path rounds them
+        float* y32 = buffer<float>(y32_, rows * w.n);
+        linear_int_bf16_into(x, rows, k, *w.weight_only, y32);
         for (int64_t i = 0; i < rows * w.n; ++i) y[i] = static_cast<T>(y32[i]);
       }
       return y;
@@ -270,14 +285,13 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   at::Tensor linear(const at::Tensor& x, const StackLinear& w) const {
-    if (w.bits != 0) return linear_int(x, w.packed, w.scales, w.offsets, w.n, w.bits, w.group_size, w.activation_bits, w.bias);
     return avx2_ ? linear_avx2(x, w.packed, w.n, w.bias) : linear_bf16(x, w.packed, w.n, w.bias);
   }
 
   std::vector<StackLayer> layers_;
   at::Tensor embed_, final_norm_, inv_freq_;
   at::Tensor residual_, zeros_, cos_, sin_, normed_, attended_, activated_;  // buffer(): reused by every forward
-  at::Tensor x32_, y32_;  // a bf16 stack's int8-activation linears' float input and output
+  at::Tensor x32_, y32_;  // a bf16 stack's int linears' float input (int8 activations) and float output
   LinearOut qkv_, o_, gate_up_, down_;
   bool avx2_;
   double eps_, scale_;

@@ -242,20 +242,12 @@ void run(const Problem& p, int64_t begin, int64_t end) {
 
 }  // namespace
 
-// x [..., K] float32 or bf16 (last dim contiguous); packed, scales, offsets as above; bits 8 or 4; group_size
-// inputs per scale (K for per channel); activation_bits 16 (x stays float) or 8 (x quantized to int8 blocks,
-// linear_int_a8.cpp, with its own layout). Returns [..., N] in x's dtype.
-at::Tensor linear_int(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                      const std::optional<at::Tensor>& offsets, int64_t n, int64_t bits, int64_t group_size,
-                      int64_t activation_bits, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(activation_bits == 16 || activation_bits == 8, "activation_bits must be 16 or 8, got ", activation_bits);
-  if (activation_bits == 8) return linear_int_a8(x, packed, scales, offsets, n, bits, group_size, bias);
+IntLinear int_linear(const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
+                     int64_t n, int64_t k, int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias) {
   static const bool supported = *cpu_isa() != '\0';
   TORCH_CHECK(supported, "linear_int needs a CPU with AVX2 and FMA");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "x must be a float32 or bf16 CPU tensor");
   TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
-  const int64_t k = x.size(-1), blocks = (n + kBlock - 1) / kBlock;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
   TORCH_CHECK(group_size > 0 && (bits == 8 || (k % 2 == 0 && group_size % 2 == 0)),
               "int4 needs an even K and group size (K=", k, ", group ", group_size, ")");
   const int64_t groups = (k + group_size - 1) / group_size;
@@ -277,43 +269,84 @@ at::Tensor linear_int(const at::Tensor& x, const at::Tensor& packed, const at::T
     TORCH_CHECK(bias->numel() == n, "bias must have N=", n, " values");
     bias32 = bias->to(at::kFloat).contiguous();
   }
+  return IntLinear{packed, scales, offsets.has_value() ? *offsets : at::Tensor(), bias32, n, k, bits, group_size, groups};
+}
+
+namespace {
+
+// The problem over w with no rows yet (the caller sets x or xb and xsum).
+Problem problem(const IntLinear& w, int64_t m, int64_t x_stride, float* out) {
+  return Problem{nullptr, x_stride, nullptr, nullptr, static_cast<const uint8_t*>(w.packed.data_ptr()),
+                 w.scales.data_ptr<float>(), w.offsets.defined() ? w.offsets.data_ptr<float>() : nullptr,
+                 w.bias.defined() ? w.bias.data_ptr<float>() : nullptr, out, m, w.n, w.k, w.bits, w.group_size,
+                 w.groups};
+}
+
+// Split the blocks over threads only where each gets enough weight to stream.
+void run_threads(const Problem& p, bool bf16_rows) {
+  const int64_t blocks = (p.n + kBlock - 1) / kBlock;
+  const int64_t block_bytes = (p.bits == 8 ? p.k : p.k / 2) * kBlock;
+  const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, block_bytes * ((p.m + 3) / 4)));
+  tidal_cpu::parallel_claims(blocks, 1, (blocks + grain - 1) / grain, [&](int64_t begin, int64_t end, int64_t) {
+#ifdef TIDAL_X86
+    if (bf16_rows) return avx512bf16::run(p, begin, end);
+#endif
+    run(p, begin, end);
+  });
+}
+
+}  // namespace
+
+void linear_int_into(const float* x, int64_t m, int64_t x_stride, const IntLinear& w, float* out) {
+  if (m <= 0 || w.n <= 0) return;
+  Problem p = problem(w, m, x_stride, out);
+  p.x = x;
+  run_threads(p, false);
+}
+
+void linear_int_bf16_into(const c10::BFloat16* x, int64_t m, int64_t x_stride, const IntLinear& w, float* out) {
+  if (m <= 0 || w.n <= 0) return;
   static const bool bf16_path = bf16_dots();
-  // int4 against bf16 rows multiplies them as they are (bf16 dot products); everything else in float32
-  const bool bf16_rows = bf16_path && bits == 4 && x.scalar_type() == at::kBFloat16;
+  if (!bf16_path || w.bits != 4) {  // int8, or a CPU without bf16 dot products: the float tile on x widened
+    thread_local std::vector<float> x32;
+    x32.resize(m * w.k);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t i = 0; i < w.k; ++i) x32[r * w.k + i] = static_cast<float>(x[r * x_stride + i]);
+    return linear_int_into(x32.data(), m, w.k, w, out);
+  }
+  // int4 against bf16 rows multiplies them as they are (bf16 dot products), with each row's sum per group
+  thread_local std::vector<float> xsum;
+  xsum.assign(m * w.groups, 0.0f);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = 0; i < w.k; ++i) xsum[r * w.groups + i / w.group_size] += static_cast<float>(x[r * x_stride + i]);
+  Problem p = problem(w, m, x_stride, out);
+  p.xb = reinterpret_cast<const uint16_t*>(x);
+  p.xsum = xsum.data();
+  run_threads(p, true);
+}
+
+// x [..., K] float32 or bf16 (last dim contiguous); packed, scales, offsets as above; bits 8 or 4; group_size
+// inputs per scale (K for per channel); activation_bits 16 (x stays float) or 8 (x quantized to int8 blocks,
+// linear_int_a8.cpp, with its own layout). Returns [..., N] in x's dtype.
+at::Tensor linear_int(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& offsets, int64_t n, int64_t bits, int64_t group_size,
+                      int64_t activation_bits, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(activation_bits == 16 || activation_bits == 8, "activation_bits must be 16 or 8, got ", activation_bits);
+  if (activation_bits == 8) return linear_int_a8(x, packed, scales, offsets, n, bits, group_size, bias);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a float32 or bf16 CPU tensor");
+  const int64_t k = x.size(-1);
+  const IntLinear w = int_linear(packed, scales, offsets, n, k, bits, group_size, bias);
   at::Tensor rows = x.reshape({-1, k});
-  if (bf16_rows ? rows.stride(1) != 1 : (rows.scalar_type() != at::kFloat || rows.stride(1) != 1))
-    rows = rows.to(at::kFloat).contiguous();
-  if (bf16_rows && rows.scalar_type() != at::kBFloat16) rows = rows.to(at::kBFloat16);
+  if (rows.stride(1) != 1) rows = rows.contiguous();
   const int64_t m = rows.size(0);
   at::Tensor out = at::empty({m, n}, rows.options().dtype(at::kFloat));
+  if (rows.scalar_type() == at::kFloat)
+    linear_int_into(rows.data_ptr<float>(), m, rows.stride(0), w, out.data_ptr<float>());
+  else
+    linear_int_bf16_into(rows.data_ptr<at::BFloat16>(), m, rows.stride(0), w, out.data_ptr<float>());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  if (m > 0 && n > 0) {
-    Problem p{nullptr, rows.stride(0), nullptr, nullptr, static_cast<const uint8_t*>(packed.data_ptr()),
-              scales.data_ptr<float>(), offsets.has_value() ? offsets->data_ptr<float>() : nullptr,
-              bias.has_value() ? bias32.data_ptr<float>() : nullptr, out.data_ptr<float>(),
-              m, n, k, bits, group_size, groups};
-    std::vector<float> xsum;
-    if (bf16_rows) {
-      const at::BFloat16* xb = rows.data_ptr<at::BFloat16>();
-      p.xb = reinterpret_cast<const uint16_t*>(xb);
-      xsum.assign(m * groups, 0.0f);
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t i = 0; i < k; ++i) xsum[r * groups + i / group_size] += static_cast<float>(xb[r * p.x_stride + i]);
-      p.xsum = xsum.data();
-    } else {
-      p.x = rows.data_ptr<float>();
-    }
-    // split the blocks over threads only where each gets enough weight to stream
-    const int64_t block_bytes = line_inputs * kBlock;
-    const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, block_bytes * ((m + 3) / 4)));
-    tidal_cpu::parallel_claims(blocks, 1, (blocks + grain - 1) / grain, [&](int64_t begin, int64_t end, int64_t) {
-#ifdef TIDAL_X86
-      if (bf16_rows) return avx512bf16::run(p, begin, end);
-#endif
-      run(p, begin, end);
-    });
-  }
   out = out.view(shape);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }

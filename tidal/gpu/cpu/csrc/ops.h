@@ -46,8 +46,18 @@ at::Tensor linear_int(const at::Tensor& x, const at::Tensor& packed, const at::T
 at::Tensor linear_int_a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                          const std::optional<at::Tensor>& offsets, int64_t n, int64_t bits, int64_t group_size,
                          const std::optional<at::Tensor>& bias);
-// The same weight checked once, for a caller that runs it at every step (decoder_stack.cpp): x [m, k] float32
-// rows in, out [m, n] float32 written, no tensor made per call. offsets and bias: undefined when absent.
+// The weight-only kernel's weight checked once, for a caller that runs it at every step (decoder_stack.cpp):
+// rows x [m, k] (`x_stride` elements apart) in, out [m, n] float32 written, no tensor made per call. offsets and
+// bias: undefined when absent. bf16 rows: int4 on bf16 dot products where the CPU has them, else widened here.
+struct IntLinear {
+  at::Tensor packed, scales, offsets, bias;
+  int64_t n, k, bits, group_size, groups;
+};
+IntLinear int_linear(const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
+                     int64_t n, int64_t k, int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias);
+void linear_int_into(const float* x, int64_t m, int64_t x_stride, const IntLinear& w, float* out);
+void linear_int_bf16_into(const c10::BFloat16* x, int64_t m, int64_t x_stride, const IntLinear& w, float* out);
+// The same for int8 activations (linear_int_a8.cpp): x [m, k] float32 rows in, out [m, n] float32 written.
 struct A8Linear {
   at::Tensor packed, scales, offsets, bias;
   int64_t n, k, padded_k, bits, group_size, groups;
