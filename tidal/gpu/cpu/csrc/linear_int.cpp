@@ -139,17 +139,23 @@ TIDAL_TARGET inline __m512bh x_pair(const uint16_t* x) {
 
 // Byte indices into (low nibbles, high nibbles) of four pairs that put pair c's column j in dword j: its input 2i
 // (low nibble) in bytes 0-1, 2i + 1 (high nibble) in bytes 2-3 (the odd bytes are zeroed by the caller's mask).
-TIDAL_TARGET inline __m512i pair_index(int c) {
-  alignas(64) uint8_t index[64];
-  for (int b = 0; b < 64; ++b) index[b] = static_cast<uint8_t>((b % 4 == 2 ? 64 : 0) + 16 * c + b / 4);
-  return _mm512_load_si512(index);
+struct PairIndex {
+  alignas(64) uint8_t bytes[4][64];
+};
+constexpr PairIndex pair_indices() {
+  PairIndex index{};
+  for (int c = 0; c < 4; ++c)
+    for (int b = 0; b < 64; ++b) index.bytes[c][b] = static_cast<uint8_t>((b % 4 == 2 ? 64 : 0) + 16 * c + b / 4);
+  return index;
 }
+constexpr PairIndex kPairIndex = pair_indices();
 
 // Rows [row, row + ROWS) by the 16 columns of `block`. One row keeps four sums in flight (vdpbf16ps' latency).
 template <int ROWS>
 TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, int64_t block) {
   constexpr int C = ROWS == 1 ? 4 : ROWS == 2 ? 2 : 1;
-  const __m512i index[4] = {pair_index(0), pair_index(1), pair_index(2), pair_index(3)};
+  const __m512i index[4] = {_mm512_load_si512(kPairIndex.bytes[0]), _mm512_load_si512(kPairIndex.bytes[1]),
+                            _mm512_load_si512(kPairIndex.bytes[2]), _mm512_load_si512(kPairIndex.bytes[3])};
   const __m512i nibble = _mm512_set1_epi8(0x0F), exponent = _mm512_set1_epi32(0x43004300);
   constexpr __mmask64 kEvenBytes = 0x5555555555555555ULL;
   __m512 y[ROWS];
