@@ -322,9 +322,16 @@ void linear_int_bf16_into(const c10::BFloat16* x, int64_t m, int64_t x_stride, c
   }
   // int4 against bf16 rows multiplies them as they are (bf16 dot products), with each row's sum per group
   thread_local std::vector<float> xsum;
-  xsum.assign(m * w.groups, 0.0f);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t i = 0; i < w.k; ++i) xsum[r * w.groups + i / w.group_size] += static_cast<float>(x[r * x_stride + i]);
+  xsum.resize(m * w.groups);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const c10::BFloat16* first = x + r * x_stride + g * w.group_size;
+      const int64_t size = std::min(w.group_size, w.k - g * w.group_size);
+      float sum = 0.0f;
+      for (int64_t i = 0; i < size; ++i) sum += static_cast<float>(first[i]);
+      xsum[r * w.groups + g] = sum;
+    }
+  }
   Problem p = problem(w, m, x_stride, out);
   p.xb = reinterpret_cast<const uint16_t*>(x);
   p.xsum = xsum.data();
