@@ -5,8 +5,9 @@
 // registers, scaled by their column's scale (per output channel, or per group of `group_size` inputs) minus an
 // offset: w = q * scale - offset, where offset = zero_point * scale (int4 stores q + 8 unsigned, so its offset
 // also holds 8 * scale). Symmetric int8 per channel has no offset: its columns' scales multiply the integer sums
-// once at the end. Activations, bias and output are float32; a bf16 x is widened first (it is a few KB at
-// decode) and the result rounded back.
+// once at the end. Bias and sums are float32. A bf16 x is widened first (it is a few KB at decode), except
+// against int4 weights on a CPU with AVX512-BF16 and VBMI, whose tile multiplies the bf16 rows as they are
+// (namespace avx512bf16 below); the tensor entry rounds the result back to bf16.
 //
 // Layout (tidal/gpu/model/quantization.py packs it): output columns in blocks of 16; a block is one sequential
 // stream over the inputs, 16 bytes per input (int8: [blocks, K, 16]) or per pair of inputs (int4:
