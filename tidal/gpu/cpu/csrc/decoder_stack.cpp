@@ -34,12 +34,9 @@ struct StackLinear {
   at::Tensor packed;
   int64_t n;
   std::optional<at::Tensor> bias;
-  // int8/int4 weights (linear_int), set by use_int_linears: bits 0 means packed is a bf16 layout
-  int64_t bits = 0, group_size = 0, activation_bits = 16;
-  at::Tensor scales;
-  std::optional<at::Tensor> offsets;
-  std::optional<A8Linear> a8;         // int8 activations: the weight checked once, run without a tensor per call
-  std::optional<IntLinear> weight_only;  // int8/int4 weights on float or bf16 activations: the same
+  // int8/int4 weights, set by use_int_linears and checked once there (neither: packed is a bf16 layout)
+  std::optional<A8Linear> a8;            // with int8 activations (linear_int_a8.cpp)
+  std::optional<IntLinear> weight_only;  // on float or bf16 activations (linear_int.cpp)
 };
 
 struct StackLayer {
@@ -103,18 +100,13 @@ class DecoderStack : public torch::CustomClassHolder {
       StackLinear* linears[] = {&layers_[i].qkv, &layers_[i].o, &layers_[i].gate_up, &layers_[i].down};
       for (int j = 0; j < 4; ++j) {
         const at::Tensor* t = tensors.data() + i * 12 + j * 3;
-        linears[j]->packed = t[0];
-        linears[j]->scales = t[1];
-        linears[j]->offsets = present(t[2]);
-        linears[j]->bits = params[i * 12 + j * 3];
-        linears[j]->group_size = params[i * 12 + j * 3 + 1];
-        linears[j]->activation_bits = params[i * 12 + j * 3 + 2];
-        if (linears[j]->activation_bits == 8)
-          linears[j]->a8 = a8_linear(t[0], t[1], linears[j]->offsets, linears[j]->n, input_features(i, j),
-                                     linears[j]->bits, linears[j]->group_size, linears[j]->bias);
+        const int64_t* param = params.data() + i * 12 + j * 3;  // bits, group_size, activation_bits
+        StackLinear& w = *linears[j];
+        w.packed = t[0];
+        if (param[2] == 8)
+          w.a8 = a8_linear(t[0], t[1], present(t[2]), w.n, input_features(i, j), param[0], param[1], w.bias);
         else
-          linears[j]->weight_only = int_linear(t[0], t[1], linears[j]->offsets, linears[j]->n, input_features(i, j),
-                                               linears[j]->bits, linears[j]->group_size, linears[j]->bias);
+          w.weight_only = int_linear(t[0], t[1], present(t[2]), w.n, input_features(i, j), param[0], param[1], w.bias);
       }
     }
   }
@@ -234,28 +226,23 @@ class DecoderStack : public torch::CustomClassHolder {
   // x [rows, k] @ w: the output's rows, contiguous.
   template <typename T>
   T* linear(T* x, int64_t rows, int64_t k, const StackLinear& w, LinearOut& out) {
-    if (w.a8.has_value()) {
+    if (w.a8.has_value() || w.weight_only.has_value()) {
       T* y = buffer<T>(out.buffer, rows * w.n);
       if constexpr (std::is_same_v<T, float>) {
-        linear_int_a8_into(x, rows, *w.a8, y);
+        if (w.a8.has_value()) linear_int_a8_into(x, rows, *w.a8, y);
+        else linear_int_into(x, rows, k, *w.weight_only, y);
       } else {
-        // bf16 activations (an AVX512-BF16 host's default): widened and rounded back here, as linear_int's tensor
-        // path does, but without its tensors and conversion ops (at one row of the tiny model, ~50 of ~190 us)
-        float* x32 = buffer<float>(x32_, rows * k);
+        // bf16 activations (an AVX512-BF16 host's default): the kernels' float32 sums, rounded here as
+        // linear_int's tensor path rounds them, without its tensors and conversion ops (at one row of the tiny
+        // model, ~50 of ~190 us). The int8-activation kernel takes float rows: x is widened for it here.
         float* y32 = buffer<float>(y32_, rows * w.n);
-        for (int64_t i = 0; i < rows * k; ++i) x32[i] = static_cast<float>(x[i]);
-        linear_int_a8_into(x32, rows, *w.a8, y32);
-        for (int64_t i = 0; i < rows * w.n; ++i) y[i] = static_cast<T>(y32[i]);
-      }
-      return y;
-    }
-    if (w.weight_only.has_value()) {
-      T* y = buffer<T>(out.buffer, rows * w.n);
-      if constexpr (std::is_same_v<T, float>) {
-        linear_int_into(x, rows, k, *w.weight_only, y);
-      } else {  // float32 sums, rounded to bf16 here as linear_int's tensor path rounds them
-        float* y32 = buffer<float>(y32_, rows * w.n);
-        linear_int_bf16_into(x, rows, k, *w.weight_only, y32);
+        if (w.a8.has_value()) {
+          float* x32 = buffer<float>(x32_, rows * k);
+          for (int64_t i = 0; i < rows * k; ++i) x32[i] = static_cast<float>(x[i]);
+          linear_int_a8_into(x32, rows, *w.a8, y32);
+        } else {
+          linear_int_bf16_into(x, rows, k, *w.weight_only, y32);
+        }
         for (int64_t i = 0; i < rows * w.n; ++i) y[i] = static_cast<T>(y32[i]);
       }
       return y;
