@@ -1,6 +1,7 @@
 """The int8/int4 weight-only linear (csrc/linear_int.cpp) computes x @ dequant(W).T + b: against a float64
-torch reference over odd and ragged shapes (N not a multiple of 16, K not a multiple of the group), per-channel
-and grouped scales, symmetric and with zero points, 1 to 40 rows, float32 and bf16 activations."""
+torch reference over odd and ragged shapes (N not a multiple of 16, K not a multiple of the group, groups not a
+multiple of int4's chunk of 8 inputs), per-channel and grouped scales, symmetric and with zero points, 1 to 40
+rows, float32 and bf16 activations."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def assert_matches(out: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight, 
 
 @settings(max_examples=50, deadline=None)
 @given(m=st.integers(1, 40), n=st.integers(1, 90), half_k=st.integers(1, 200), bits=st.sampled_from([8, 4]),
-       group=st.sampled_from([None, 32, 128]), symmetric=st.booleans(), with_bias=st.booleans(),
+       group=st.sampled_from([None, 6, 32, 34, 128]), symmetric=st.booleans(), with_bias=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_matches_the_dequantized_weight(ops, m, n, half_k, bits, group, symmetric, with_bias, seed):
     k = 2 * half_k + (1 if bits == 8 and seed % 2 else 0)  # int8 takes odd K too
@@ -78,7 +79,7 @@ def test_a_wrong_shape_is_refused(ops):
 
 
 @settings(max_examples=40, deadline=None)
-@given(m=st.integers(1, 40), n=st.integers(1, 70), half_k=st.integers(1, 150), group=st.sampled_from([None, 32, 128]),
+@given(m=st.integers(1, 40), n=st.integers(1, 70), half_k=st.integers(1, 150), group=st.sampled_from([None, 6, 32, 34, 128]),
        symmetric=st.booleans(), with_bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_int4_on_bf16_rows_is_the_exact_product_rounded_to_bf16(ops, m, n, half_k, group, symmetric, with_bias, seed):
     """A bf16 model's int4 linears (AVX512-BF16 hosts: bf16 dot products on the rows as they are; elsewhere the

@@ -153,10 +153,11 @@ def weight_bytes(linears) -> tuple[int, int]:
 
 class PackedInt:
     """A ``QuantizedWeight`` in the kernel's layout. Float activations (csrc/linear_int.cpp): ``packed`` [blocks of
-    16 columns, K or K/2, 16]; int8 activations (csrc/linear_int_a8.cpp): [blocks of 8 columns, K/4 or K/8, 32],
-    4 consecutive inputs of 8 columns per 32 bytes (int4: a byte holds inputs 8t + j and 8t + 4 + j). ``scales`` and
-    ``offsets`` float32 [blocks, groups, columns per block] (offset = zero point * scale, plus 8 * scale for int4,
-    which is stored unsigned), or no offsets for symmetric int8 per channel."""
+    16 columns, K, 16] (int8) or [blocks, chunks of 8 inputs, 64] (int4, ``_pack_int4``); int8 activations
+    (csrc/linear_int_a8.cpp): [blocks of 8 columns, K/4 or K/8, 32], 4 consecutive inputs of 8 columns per 32 bytes
+    (int4: a byte holds inputs 8t + j and 8t + 4 + j). ``scales`` and ``offsets`` float32 [blocks, groups, columns
+    per block] (offset = zero point * scale, plus 8 * scale for int4, which is stored unsigned), or no offsets for
+    symmetric int8 per channel."""
 
     def __init__(self, weight: QuantizedWeight, ops) -> None:
         n, k = weight.q.shape
@@ -175,8 +176,7 @@ class PackedInt:
         elif weight.bits == 8:
             self.packed = q.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
         else:
-            u = (q.to(torch.int16) + 8).to(torch.uint8).view(blocks, BLOCK, k // 2, 2)
-            self.packed = (u[..., 0] | (u[..., 1] << 4)).transpose(1, 2).contiguous()
+            self.packed = self._pack_int4(q, weight.group_size, blocks)
         scales = weight.scales.float()
         offsets = None
         if weight.zero_points is not None:
@@ -187,6 +187,21 @@ class PackedInt:
             offsets = torch.zeros_like(scales)
         self.scales = self._blocked(scales, blocks, columns)
         self.offsets = None if offsets is None else self._blocked(offsets, blocks, columns)
+
+    @staticmethod
+    def _pack_int4(q: torch.Tensor, group_size: int, blocks: int) -> torch.Tensor:
+        """[N padded, K] int4 -> [blocks, groups * chunks, 64] (csrc/linear_int.cpp's layout): each group's inputs
+        in chunks of 8 (the last zero-padded), a chunk's 16-bit word 2j + h holding column j's inputs 2t + h in its
+        nibbles t = 0..3, stored unsigned (q + 8)."""
+        k = q.shape[1]
+        size = min(group_size, k)
+        groups, chunks = -(-k // size), -(-size // 8)
+        u = F.pad((q.to(torch.int16) + 8).to(torch.int32), (0, groups * size - k)).view(-1, groups, size)
+        u = F.pad(u, (0, chunks * 8 - size)).view(blocks * BLOCK, groups, chunks, 4, 2)  # input 8c + 2t + h
+        words = sum(u[:, :, :, t, :] << (4 * t) for t in range(4))  # [N, groups, chunks, 2 (h)]
+        chunk_bytes = torch.stack((words & 0xFF, words >> 8), dim=-1).to(torch.uint8)  # little-endian words
+        return (chunk_bytes.view(blocks, BLOCK, groups * chunks, 4).transpose(1, 2)
+                .reshape(blocks, groups * chunks, 64).contiguous())
 
     @staticmethod
     def _pack_a8(q: torch.Tensor, bits: int, blocks: int) -> torch.Tensor:

@@ -6,13 +6,15 @@
 // offset: w = q * scale - offset, where offset = zero_point * scale (int4 stores q + 8 unsigned, so its offset
 // also holds 8 * scale). Symmetric int8 per channel has no offset: its columns' scales multiply the integer sums
 // once at the end. Bias and sums are float32. A bf16 x is widened first (it is a few KB at decode), except
-// against int4 weights on a CPU with AVX512-BF16 and VBMI, whose tile multiplies the bf16 rows as they are
+// against int4 weights on a CPU with AVX512-BF16, whose tile multiplies the bf16 rows as they are
 // (namespace avx512bf16 below); the tensor entry rounds the result back to bf16.
 //
 // Layout (tidal/gpu/model/quantization.py packs it): output columns in blocks of 16; a block is one sequential
-// stream over the inputs, 16 bytes per input (int8: [blocks, K, 16]) or per pair of inputs (int4:
-// [blocks, K/2, 16], byte j = column j's input 2i in the low nibble, 2i + 1 in the high nibble). Scales and
-// offsets are float32 [blocks, groups, 16]. N is zero-padded to whole blocks (padding scales are 0).
+// stream over the inputs. int8: 16 bytes per input ([blocks, K, 16]). int4: 64 bytes per chunk of 8 inputs, each
+// group's inputs in whole chunks ([blocks, groups * chunks, 64]); a chunk's 16-bit word 2j + h holds column j's
+// inputs 2t + h in its nibbles t = 0..3, so a shift and a mask per vector bring out 16 columns' input (as 32-bit
+// lanes) or 16 columns' input pair (as 16-bit lanes, the bf16 pairs below). Scales and offsets are float32
+// [blocks, groups, 16]. N is zero-padded to whole blocks (padding scales are 0).
 //
 // The same loops (linear_int_tile.h) are compiled for AVX-512 (one zmm per block) and for AVX2+FMA (two ymm),
 // each under its own target attribute whatever the build's flags; which runs is decided once from the CPU
@@ -55,7 +57,11 @@ struct Problem {
   const float* bias;       // [N] or null
   float* out;              // [M, N]
   int64_t m, n, k, bits, group_size, groups;
+  int64_t chunks;          // int4: chunks of 8 inputs per group
 };
+
+// int4's chunks of 8 inputs per group (the last one zero-padded).
+int64_t int4_chunks(int64_t k, int64_t group_size) { return (std::min(group_size, k) + 7) / 8; }
 
 #ifdef TIDAL_X86
 
@@ -71,11 +77,10 @@ TIDAL_TARGET inline V fmsub(V a, V b, V c) { return _mm512_fmsub_ps(a, b, c); }
 TIDAL_TARGET inline V widen_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-TIDAL_TARGET inline void widen_u4(const uint8_t* p, V& even, V& odd) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  even = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, nibble)));
-  odd = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nibble)));
+using U4 = __m512i;
+TIDAL_TARGET inline U4 load_u4(const uint8_t* p) { return _mm512_loadu_si512(p); }
+TIDAL_TARGET inline V nibbles(U4 v, int shift) {
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0xF)));
 }
 TIDAL_TARGET inline void store(float* dst, V v, int64_t valid) {
   _mm512_mask_storeu_ps(dst, valid >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1), v);
@@ -99,12 +104,16 @@ TIDAL_TARGET inline V widen_i8(const int8_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)))};
 }
-TIDAL_TARGET inline void widen_u4(const uint8_t* p, V& even, V& odd) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(v, nibble), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
-  even = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)))};
-  odd = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)))};
+struct U4 {
+  __m256i lo, hi;  // columns 0-7, 8-15 of the chunk
+};
+TIDAL_TARGET inline U4 load_u4(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+TIDAL_TARGET inline V nibbles(U4 v, int shift) {
+  const __m256i mask = _mm256_set1_epi32(0xF);
+  return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v.lo, shift), mask)),
+          _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v.hi, shift), mask))};
 }
 TIDAL_TARGET inline __m256i lanes_below(int64_t valid) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -122,15 +131,15 @@ TIDAL_TARGET inline void store(float* dst, V v, int64_t valid) {
 #undef TIDAL_TARGET
 }  // namespace avx2
 
-// int4 weights against bf16 rows, on a CPU with AVX512-BF16 and VBMI (the activations `--dtype auto` gives
-// there): four input pairs of a block's 16 columns (64 bytes) become four vectors of 16 bf16 pairs in eleven
-// integer ops, and one `vdpbf16ps` per vector and row multiplies them, where the float tile spends ~13 ops per 32
-// weights widening and scaling (compute-bound at one row: the small model's int4 step ran at bf16's speed). A
-// nibble q becomes the bf16 128 + q exactly (q in the mantissa under 128's exponent, 0x4300), so a group's sums
-// are D = sum(x q) + 128 X, with X the row's sum of x over the group; its weights q * scale - offset then give
+// int4 weights against bf16 rows, on a CPU with AVX512-BF16 (the activations `--dtype auto` gives there): a chunk
+// of 8 inputs by a block's 16 columns (64 bytes) becomes four vectors of 16 bf16 pairs in seven integer ops (a
+// shift and a mask-and-OR per vector), and one `vdpbf16ps` per vector and row multiplies them, where the float
+// tile spends ~13 ops per 32 weights widening and scaling (compute-bound at one row). A nibble q becomes the bf16
+// 128 + q exactly (q in the mantissa under 128's exponent, 0x4300), so a group's sums are D = sum(x q) + 128 X,
+// with X the row's sum of x over the group; its weights q * scale - offset then give
 // scale * D - (128 * scale + offset) * X. The products are exact and the sums float32, as in the float tile.
 namespace avx512bf16 {
-#define TIDAL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx2,fma")))
+#define TIDAL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 
 TIDAL_TARGET inline __m512bh x_pair(const uint16_t* x) {
   int32_t pair;
@@ -138,50 +147,36 @@ TIDAL_TARGET inline __m512bh x_pair(const uint16_t* x) {
   return (__m512bh)_mm512_set1_epi32(pair);
 }
 
-// Byte indices into (low nibbles, high nibbles) of four pairs that put pair c's column j in dword j: its input 2i
-// (low nibble) in bytes 0-1, 2i + 1 (high nibble) in bytes 2-3 (the odd bytes are zeroed by the caller's mask).
-struct PairIndex {
-  alignas(64) uint8_t bytes[4][64];
-};
-constexpr PairIndex pair_indices() {
-  PairIndex index{};
-  for (int c = 0; c < 4; ++c)
-    for (int b = 0; b < 64; ++b) index.bytes[c][b] = static_cast<uint8_t>((b % 4 == 2 ? 64 : 0) + 16 * c + b / 4);
-  return index;
-}
-constexpr PairIndex kPairIndex = pair_indices();
-
 // Rows [row, row + ROWS) by the 16 columns of `block`. One row keeps four sums in flight (vdpbf16ps' latency).
 template <int ROWS>
 TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, int64_t block) {
   constexpr int C = ROWS == 1 ? 4 : ROWS == 2 ? 2 : 1;
-  const __m512i index[4] = {_mm512_load_si512(kPairIndex.bytes[0]), _mm512_load_si512(kPairIndex.bytes[1]),
-                            _mm512_load_si512(kPairIndex.bytes[2]), _mm512_load_si512(kPairIndex.bytes[3])};
-  const __m512i nibble = _mm512_set1_epi8(0x0F), exponent = _mm512_set1_epi32(0x43004300);
-  constexpr __mmask64 kEvenBytes = 0x5555555555555555ULL;
+  const __m512i nibble = _mm512_set1_epi16(0x000F), exponent = _mm512_set1_epi16(0x4300);
   __m512 y[ROWS];
   _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r) y[r] = _mm512_setzero_ps();
   const uint16_t* x = p.xb + row * p.x_stride;
   const float* xsum = p.xsum + row * p.groups;
-  const uint8_t* w = p.w + block * (p.k / 2) * kBlock;
+  const uint8_t* w = p.w + block * p.groups * p.chunks * 64;
   const float* scales = p.scales + block * p.groups * kBlock;
   const float* offsets = p.offsets + block * p.groups * kBlock;
   for (int64_t g = 0; g < p.groups; ++g) {
-    const int64_t first = g * p.group_size / 2, last = std::min(p.k, (g + 1) * p.group_size) / 2;
+    const int64_t first = g * p.group_size, size = std::min(p.k, first + p.group_size) - first;
     __m512 acc[C][ROWS];
     _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c)
       _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r) acc[c][r] = _mm512_setzero_ps();
-    for (int64_t i = first; i < last; i += 4) {
-      const int64_t pairs = std::min<int64_t>(4, last - i);
-      const __m512i v = pairs == 4 ? _mm512_loadu_si512(w + i * kBlock)
-                                   : _mm512_maskz_loadu_epi8((~0ULL) >> (64 - 16 * pairs), w + i * kBlock);
-      const __m512i low = _mm512_and_si512(v, nibble), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      _Pragma("GCC unroll 4") for (int c = 0; c < 4; ++c) {
-        if (c >= pairs) break;
-        const __m512bh wv = (__m512bh)_mm512_or_si512(
-            _mm512_maskz_permutex2var_epi8(kEvenBytes, low, index[c], high), exponent);
+    const uint8_t* chunk = w + g * p.chunks * 64;
+    for (int64_t i = 0; i < size; i += 8, chunk += 64) {
+      const int64_t pairs = std::min<int64_t>(4, (size - i) / 2);
+      const __m512i v = _mm512_loadu_si512(chunk);
+      const __m512i q[4] = {  // (v >> 4t) & 0xF | 0x4300 per 16-bit lane: ternary-logic 0xEA is (a & b) | c
+          _mm512_ternarylogic_epi32(v, nibble, exponent, 0xEA),
+          _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, exponent, 0xEA),
+          _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, exponent, 0xEA),
+          _mm512_or_si512(_mm512_srli_epi16(v, 12), exponent)};
+      _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) {
+        if (t >= pairs) break;
         _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r)
-          acc[c % C][r] = _mm512_dpbf16_ps(acc[c % C][r], x_pair(x + r * p.x_stride + 2 * (i + c)), wv);
+          acc[t % C][r] = _mm512_dpbf16_ps(acc[t % C][r], x_pair(x + r * p.x_stride + first + i + 2 * t), (__m512bh)q[t]);
       }
     }
     const __m512 scale = _mm512_loadu_ps(scales + g * kBlock);
@@ -228,8 +223,7 @@ const char* cpu_isa() {
 // Whether int4 weights against bf16 rows run on the bf16 dot products (avx512bf16 above).
 bool bf16_dots() {
   __builtin_cpu_init();
-  return std::string(cpu_isa()) == "avx512" && __builtin_cpu_supports("avx512bf16") &&
-         __builtin_cpu_supports("avx512vbmi");
+  return std::string(cpu_isa()) == "avx512" && __builtin_cpu_supports("avx512bf16");
 }
 
 #else
@@ -258,11 +252,11 @@ IntLinear int_linear(const at::Tensor& packed, const at::Tensor& scales, const s
   TORCH_CHECK(group_size > 0 && (bits == 8 || (k % 2 == 0 && group_size % 2 == 0)),
               "int4 needs an even K and group size (K=", k, ", group ", group_size, ")");
   const int64_t groups = (k + group_size - 1) / group_size;
-  const int64_t line_inputs = bits == 8 ? k : k / 2;
+  const int64_t lines = bits == 8 ? k : groups * int4_chunks(k, group_size), line_bytes = bits == 8 ? kBlock : 64;
   TORCH_CHECK(packed.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && packed.is_contiguous() && packed.dim() == 3 &&
-                  packed.size(0) == blocks && packed.size(1) == line_inputs && packed.size(2) == kBlock,
-              "packed weight has shape ", packed.sizes(), ", expected [", blocks, ", ", line_inputs, ", 16] for N=", n,
-              " K=", k, " bits=", bits);
+                  packed.size(0) == blocks && packed.size(1) == lines && packed.size(2) == line_bytes,
+              "packed weight has shape ", packed.sizes(), ", expected [", blocks, ", ", lines, ", ", line_bytes,
+              "] for N=", n, " K=", k, " bits=", bits, " group ", group_size);
   auto check_per_group = [&](const at::Tensor& t, const char* name) {
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 && t.size(0) == blocks &&
                     t.size(1) == groups && t.size(2) == kBlock,
@@ -286,13 +280,13 @@ Problem problem(const IntLinear& w, int64_t m, int64_t x_stride, float* out) {
   return Problem{nullptr, x_stride, nullptr, nullptr, static_cast<const uint8_t*>(w.packed.data_ptr()),
                  w.scales.data_ptr<float>(), w.offsets.defined() ? w.offsets.data_ptr<float>() : nullptr,
                  w.bias.defined() ? w.bias.data_ptr<float>() : nullptr, out, m, w.n, w.k, w.bits, w.group_size,
-                 w.groups};
+                 w.groups, w.bits == 4 ? int4_chunks(w.k, w.group_size) : 0};
 }
 
 // Split the blocks over threads only where each gets enough weight to stream.
 void run_threads(const Problem& p, bool bf16_rows) {
   const int64_t blocks = (p.n + kBlock - 1) / kBlock;
-  const int64_t block_bytes = (p.bits == 8 ? p.k : p.k / 2) * kBlock;
+  const int64_t block_bytes = p.bits == 8 ? p.k * kBlock : p.groups * p.chunks * 64;
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, block_bytes * ((p.m + 3) / 4)));
   tidal_cpu::parallel_claims(blocks, 1, (blocks + grain - 1) / grain, [&](int64_t begin, int64_t end, int64_t) {
 #ifdef TIDAL_X86

@@ -3,8 +3,9 @@
 // __m512), each after defining TIDAL_TARGET and the primitives below, so both paths run the same algorithm.
 //
 //   V zero(); V splat(float); V load(const float* p16); V fmadd(V a, V b, V c) (a*b+c); V fmsub(a, b, c) (a*b-c);
-//   V add(V a, V b); V widen_i8(const int8_t* p16) (16 int8 to float); void widen_u4(const uint8_t* p16, V& even,
-//   V& odd) (16 bytes: low nibbles, high nibbles, as floats 0..15); void store(float* dst, V v, int64_t valid).
+//   V add(V a, V b); V widen_i8(const int8_t* p16) (16 int8 to float); U4 load_u4(const uint8_t* p64) (an int4
+//   chunk); V nibbles(U4 v, int shift) (each column's 32-bit lane >> shift & 0xF, as floats 0..15);
+//   void store(float* dst, V v, int64_t valid).
 //
 // No include guard: it is meant to be included once per namespace.
 
@@ -47,19 +48,23 @@ TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, 
       }
     }
   } else {
-    // pair i of the block: one byte per column, input 2i in the low nibble, 2i + 1 in the high one
-    const uint8_t* w = p.w + block * (p.k / 2) * kBlock;
+    // a group's inputs in chunks of 8: column j's input 2t + h in bits 16h + 4t of its 32-bit lane
+    const uint8_t* w = p.w + block * p.groups * p.chunks * 64;
     for (int64_t g = 0; g < p.groups; ++g) {
-      const int64_t first = g * p.group_size / 2, last = std::min(p.k, (g + 1) * p.group_size) / 2;
+      const int64_t first = g * p.group_size, size = std::min(p.k, first + p.group_size) - first;
       const V scale = load(scales + g * kBlock), offset = load(offsets + g * kBlock);
-      for (int64_t i = first; i < last; ++i) {
-        V even, odd;
-        widen_u4(w + i * kBlock, even, odd);
-        even = fmsub(even, scale, offset);
-        odd = fmsub(odd, scale, offset);
-        _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r) {
-          acc[0][r] = fmadd(splat(x[r * p.x_stride + 2 * i]), even, acc[0][r]);
-          acc[S - 1][r] = fmadd(splat(x[r * p.x_stride + 2 * i + 1]), odd, acc[S - 1][r]);
+      const uint8_t* chunk = w + g * p.chunks * 64;
+      for (int64_t i = 0; i < size; i += 8, chunk += 64) {
+        const U4 v = load_u4(chunk);
+        const int64_t pairs = std::min<int64_t>(4, (size - i) / 2);
+        const float* xi = x + first + i;
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) {
+          if (t >= pairs) break;
+          const V even = fmsub(nibbles(v, 4 * t), scale, offset), odd = fmsub(nibbles(v, 16 + 4 * t), scale, offset);
+          _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r) {
+            acc[0][r] = fmadd(splat(xi[r * p.x_stride + 2 * t]), even, acc[0][r]);
+            acc[S - 1][r] = fmadd(splat(xi[r * p.x_stride + 2 * t + 1]), odd, acc[S - 1][r]);
+          }
         }
       }
     }
