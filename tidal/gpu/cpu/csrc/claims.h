@@ -53,6 +53,18 @@ class Share {
   alignas(64) std::atomic<uint64_t> ends_{0};  // a cache line each: the owners do not contend
 };
 
+// Multiply-adds (rows x N x K) below which an int linear runs on one thread: a second costs more than it
+// saves. Timed from Python at one row (AVX2 host): a 768 x 768 linear (590 K) takes 34-39 us on one thread and
+// 24-29 on two; a 256-wide model's largest layer (256 x 1376 = 352 K) 24-32 us on one, no less on two, and
+// there the fork and join and the worker spinning on a core the HTTP frontend and the client need cost more
+// than they save. Counted in multiply-adds, not bytes: int4's half byte per weight is as much arithmetic.
+constexpr int64_t kSplitWork = 1 << 19;
+
+// The threads a linear of `multiply_adds` runs on (parallel_claims' max_threads).
+inline int64_t linear_threads(int64_t multiply_adds) {
+  return multiply_adds >= kSplitWork ? int64_t(at::get_num_threads()) : 1;
+}
+
 // Runs body(begin, end, ahead_end) over [0, n) in chunks of `chunk` items on up to `max_threads` threads,
 // each chunk exactly once. ahead_end bounds what the body may prefetch past `end` as its thread's likely
 // next work: the rest of the thread's own share (end itself when the chunk was taken from another's).

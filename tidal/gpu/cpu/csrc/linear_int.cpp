@@ -43,8 +43,7 @@
 namespace tidal_cpu {
 namespace {
 
-constexpr int64_t kBlock = 16;           // output columns per packed block
-constexpr int64_t kSplitWork = 1 << 19;  // multiply-adds (rows x weights) below which a second thread costs more than it saves
+constexpr int64_t kBlock = 16;  // output columns per packed block
 
 struct Problem {
   const float* x;  // [M, K], rows x_stride apart (null on the bf16 int4 path, which reads xb)
@@ -283,12 +282,10 @@ Problem problem(const IntLinear& w, int64_t m, int64_t x_stride, float* out) {
                  w.groups, w.bits == 4 ? int4_chunks(w.k, w.group_size) : 0};
 }
 
-// Split the blocks over threads where the arithmetic is worth it: counted in weights, not bytes, since int4's
-// half byte per weight costs as much arithmetic as int8's byte (at one row, its bf16 tile is the slower part).
+// The blocks over the threads the linear's arithmetic is worth (claims.h).
 void run_threads(const Problem& p, bool bf16_rows) {
   const int64_t blocks = (p.n + kBlock - 1) / kBlock;
-  const int64_t threads = p.m * p.n * p.k >= kSplitWork ? at::get_num_threads() : 1;
-  tidal_cpu::parallel_claims(blocks, 1, threads, [&](int64_t begin, int64_t end, int64_t) {
+  tidal_cpu::parallel_claims(blocks, 1, linear_threads(p.m * p.n * p.k), [&](int64_t begin, int64_t end, int64_t) {
 #ifdef TIDAL_X86
     if (bf16_rows) return avx512bf16::run(p, begin, end);
 #endif

@@ -46,12 +46,6 @@ namespace {
 
 constexpr int64_t kCols = 8;              // output columns per packed block
 constexpr int64_t kXBlock = 32;           // inputs per activation scale
-// Multiply-adds (rows x N x K) below which a second thread costs more than it saves. Timed from Python at one
-// row (AVX2 host): a 768 x 768 linear (590 K) takes 34-39 us on one thread and 24-29 on two; a 256-wide
-// model's largest layer (256 x 1376 = 352 K) 24-32 us on one, no less on two, and there the fork and join and
-// the worker spinning on a core the HTTP frontend and the client need cost more than they save.
-constexpr int64_t kSplitWork = 1 << 19;
-
 // Bytes of one packed column block: 8 columns of K (padded) int8 or int4 weights.
 inline int64_t block_bytes(int64_t k, int64_t bits) { return bits == 8 ? k * kCols : k * kCols / 2; }
 
@@ -250,7 +244,7 @@ void linear_int_a8_into(const float* x, int64_t m, const A8Linear& w, float* out
                   m, w.n, w.padded_k, w.bits, w.group_size, w.groups};
   // chunks of whole 4-block tiles; every thread joins once the work is worth a second thread
   const int64_t blocks = (w.n + kCols - 1) / kCols;
-  const int64_t threads = m * w.n * w.padded_k >= kSplitWork ? at::get_num_threads() : 1;
+  const int64_t threads = linear_threads(m * w.n * w.padded_k);
   const bool vnni = vnni_tiles();
   tidal_cpu::parallel_claims(blocks, 4, threads, [&](int64_t begin, int64_t end, int64_t ahead_end) {
     if (vnni) {
