@@ -18,7 +18,7 @@ from hf_models import hf_greedy, load_hf_model, make_hf_model
 from paged_batch import greedy_tokens, prompt_logits
 from tidal.gpu.model.attention import TorchPagedAttention
 from tidal.gpu.model.loader import load_model
-from tidal.gpu.model.quantization import LM_HEAD_A8, ON_THE_FLY, int_linear_ops, quantize
+from tidal.gpu.model.quantization import LM_HEAD, LM_HEAD_A8, ON_THE_FLY, int_linear_ops, quantize
 
 pytest.importorskip("compressed_tensors")
 from quantized_checkpoints import write_compressed  # noqa: E402 - needs compressed_tensors
@@ -100,14 +100,19 @@ def test_each_scheme_matches_transformers(compressed_dir, scheme):
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantization_at_load_matches_transformers_on_the_rounded_weights(dense_dir, tmp_path, scheme):
+    """int8 / int4 at load compute what they say: the decoder's weights rounded to the scheme and the LM head to
+    int8 per vocabulary row, times the activations as they are."""
     hf = load_hf_model(dense_dir("qwen2"))
+    hf.config.tie_word_embeddings = False  # the head is rounded, the embedding table is not
+    hf.lm_head.weight = torch.nn.Parameter(hf.model.embed_tokens.weight.detach().clone())
     with torch.no_grad():
         for name, module in hf.named_modules():
             if ".layers." in name and name.endswith("_proj"):
                 module.weight.copy_(quantize(module.weight, ON_THE_FLY[scheme]).dequantize())
+        hf.lm_head.weight.copy_(quantize(hf.lm_head.weight, LM_HEAD[16]).dequantize())
     hf.save_pretrained(tmp_path)
     model, config = load(dense_dir("qwen2"), scheme)
-    assert len(int_linears(model)) == 8
+    assert len(int_linears(model)) == 8 + 1 and all(m.int_packed.activation_bits == 16 for m in int_linears(model))
     assert_matches_transformers(model, config, str(tmp_path))
 
 
@@ -188,11 +193,12 @@ def test_an_unsupported_scheme_is_refused_naming_it(compressed_dir, tmp_path, we
         load(str(tmp_path))
 
 
-@pytest.mark.parametrize("scheme", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8", "int8", "int4"])
 def test_a_bf16_models_int8_head_gives_float32_logits_not_rounded_to_bf16(dense_dir, scheme):
     """With bf16 activations (an AVX512-BF16 host's default) the rounded LM head's logits are its float32 sums over
-    the bf16 hidden states: the head's int8 weights times the rows rounded to int8 blocks, not those sums rounded
-    to bf16 and widened again (a bf16 logit is off by up to 1/256 of its size: ties and top-p cut-offs move)."""
+    the bf16 hidden states: the head's int8 weights times the rows (rounded to int8 blocks under w8a8 / w4a8), not
+    those sums rounded to bf16 and widened again (a bf16 logit is off by up to 1/256 of its size: ties and top-p
+    cut-offs move)."""
     model, config = load_model(dense_dir("llama"), torch.bfloat16, torch.device("cpu"), TorchPagedAttention(),
                                quantize=scheme)
     hidden = torch.randn(3, config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
@@ -200,8 +206,12 @@ def test_a_bf16_models_int8_head_gives_float32_logits_not_rounded_to_bf16(dense_
         logits = model.compute_logits(hidden)
     checkpoint = load_file(os.path.join(dense_dir("llama"), "model.safetensors"))
     dense = checkpoint.get("lm_head.weight", checkpoint["model.embed_tokens.weight"])  # tied or not
-    weight = quantize(dense.to(torch.bfloat16), LM_HEAD_A8).dequantize().float()  # rounded as at load
-    (rows,) = round_activations_to_int8_blocks(None, (hidden.float(),))
+    activation_bits = ON_THE_FLY[scheme].activation_bits
+    weight = quantize(dense.to(torch.bfloat16), LM_HEAD[activation_bits]).dequantize().float()  # rounded as at load
+    if activation_bits == 8:
+        (rows,) = round_activations_to_int8_blocks(None, (hidden.float(),))
+    else:
+        rows = hidden.float()
     expected = rows @ weight.T
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)

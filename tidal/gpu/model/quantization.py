@@ -41,9 +41,11 @@ class Scheme:
 # kernel multiplies integers: on AVX2 CPUs that is 2-3x faster than widening each weight to float.
 ON_THE_FLY = {"int8": Scheme(8, None), "int4": Scheme(4, 128),
               "w8a8": Scheme(8, None, activation_bits=8), "w4a8": Scheme(4, 128, activation_bits=8)}
-# w8a8 / w4a8 also round the LM head, as llama.cpp quantizes its output layer: int8 per vocabulary row with int8
-# activations (finer than Q4_0's Q6_K head). At batch 1 the head is a seventh of the small model's bytes.
-LM_HEAD_A8 = Scheme(8, None, activation_bits=8)
+# Every on-the-fly scheme also rounds the LM head, as llama.cpp quantizes its output layer: int8 per vocabulary row
+# (finer than Q4_0's Q6_K head), with int8 activations under w8a8 / w4a8 and exact ones under int8 / int4. At batch
+# 1 a bf16 head is a seventh of the small model's bf16 bytes and a quarter of its int4 ones.
+LM_HEAD = {16: Scheme(8, None), 8: Scheme(8, None, activation_bits=8)}  # by the scheme's activation bits
+LM_HEAD_A8 = LM_HEAD[8]
 
 
 @dataclass
