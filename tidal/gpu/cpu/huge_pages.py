@@ -66,10 +66,25 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor]:
     """``count`` zeroed CPU tensors of ``shape`` and ``dtype`` in one huge-page mapping (torch.zeros
-    when disabled): the KV cache, whose blocks a step reads wherever the block tables point."""
+    when disabled), every page of it resident: the KV cache, whose blocks a step reads wherever the block
+    tables point."""
     if not enabled():
         return [torch.zeros(shape, dtype=dtype) for _ in range(count)]
     each = _aligned(torch.Size(shape).numel() * dtype.itemsize)
     arena = huge_page_bytes(each * count)  # a fresh anonymous mapping reads as zeros
+    populate(arena)
     return [arena[i * each:i * each + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
             for i in range(count)]
+
+
+def populate(arena: torch.Tensor) -> None:
+    """Fault in every page of ``arena`` (a uint8 tensor over a fresh mapping) now, one write a 4 KiB page.
+
+    Untouched, a page of the mapping is allocated at its first write: for the KV cache, in the middle of a
+    decode step, when a sequence first writes a block on it. A 2 MiB page is zeroed then, and where
+    transparent huge pages "defrag" is "madvise" (the common default) the kernel compacts memory to find
+    one, synchronously: a served stream stalled 10-55 ms at every 16th token (a new block) until the pool
+    had been walked through once. Touched here, that cost is paid before the engine is ready, and the
+    memory the cache needs is known to be there then rather than failing later."""
+    if arena.numel():
+        arena[::4096].fill_(0)
