@@ -98,7 +98,7 @@ def test_the_mapping_is_backed_by_huge_pages():
 
 def test_the_kv_cache_is_resident_before_any_step_writes_it():
     """Every page of the cache is faulted in when it is made: a page first written mid-step (a sequence's new
-    block) stalled a served stream 10-55 ms while the kernel zeroed and compacted memory for it."""
+    block) stalled a served stream 10-55 ms while the page was allocated and zeroed."""
     caches = huge_pages.zeros((64, 16, 4, 64), torch.bfloat16, 8)  # 8 x 512 KiB
     resident_kib = int(mapping_of(caches[0].data_ptr())["Rss"].split()[0])
     assert resident_kib >= 8 * 512

@@ -18,7 +18,7 @@ from hf_models import hf_greedy, load_hf_model, make_hf_model
 from paged_batch import greedy_tokens, prompt_logits
 from tidal.gpu.model.attention import TorchPagedAttention
 from tidal.gpu.model.loader import load_model
-from tidal.gpu.model.quantization import LM_HEAD, LM_HEAD_A8, ON_THE_FLY, int_linear_ops, quantize
+from tidal.gpu.model.quantization import LM_HEAD, ON_THE_FLY, int_linear_ops, quantize
 
 pytest.importorskip("compressed_tensors")
 from quantized_checkpoints import write_compressed  # noqa: E402 - needs compressed_tensors
@@ -137,7 +137,7 @@ def test_int8_activations_match_transformers_rounding_the_same_way(dense_dir, tm
         for name, module in hf.named_modules():
             if ".layers." in name and name.endswith("_proj"):
                 module.weight.copy_(quantize(module.weight, ON_THE_FLY[scheme]).dequantize())
-        hf.lm_head.weight.copy_(quantize(hf.lm_head.weight, LM_HEAD_A8).dequantize())  # int8 per row, as llama.cpp
+        hf.lm_head.weight.copy_(quantize(hf.lm_head.weight, LM_HEAD[8]).dequantize())  # int8 per row, as llama.cpp
     hf.save_pretrained(tmp_path)
     model, config = load(dense_dir("qwen2"), scheme)
     assert len(int_linears(model)) == 8 + 1 and all(m.int_packed.activation_bits == 8 for m in int_linears(model))

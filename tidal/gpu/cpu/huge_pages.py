@@ -81,10 +81,10 @@ def populate(arena: torch.Tensor) -> None:
     """Fault in every page of ``arena`` (a uint8 tensor over a fresh mapping) now, one write a 4 KiB page.
 
     Untouched, a page of the mapping is allocated at its first write: for the KV cache, in the middle of a
-    decode step, when a sequence first writes a block on it. A 2 MiB page is zeroed then, and where
-    transparent huge pages "defrag" is "madvise" (the common default) the kernel compacts memory to find
-    one, synchronously: a served stream stalled 10-55 ms at every 16th token (a new block) until the pool
-    had been walked through once. Touched here, that cost is paid before the engine is ready, and the
-    memory the cache needs is known to be there then rather than failing later."""
+    decode step, when a sequence first writes a block on it. The 2 MiB page is zeroed then, and on a VM whose
+    memory the host backs at first touch (this project's hosts: ~7 ms a page) a served stream stalled 10-55 ms
+    at every 16th token (a new block) until the pool had been walked through once. Touched here, that cost is
+    paid before the engine is ready, and the memory the cache needs is known to be there then rather than
+    failing later."""
     if arena.numel():
         arena[::4096].fill_(0)

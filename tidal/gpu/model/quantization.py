@@ -45,7 +45,6 @@ ON_THE_FLY = {"int8": Scheme(8, None), "int4": Scheme(4, 128),
 # (finer than Q4_0's Q6_K head), with int8 activations under w8a8 / w4a8 and exact ones under int8 / int4. At batch
 # 1 a bf16 head is a seventh of the small model's bf16 bytes and a quarter of its int4 ones.
 LM_HEAD = {16: Scheme(8, None), 8: Scheme(8, None, activation_bits=8)}  # by the scheme's activation bits
-LM_HEAD_A8 = LM_HEAD[8]
 
 
 @dataclass
