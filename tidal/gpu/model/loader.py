@@ -79,7 +79,7 @@ def load_model(
         quantized_linear.quantize_fp8_linears(decoder_linears)
     elif quantize is not None:  # tensor-parallel: each rank rounds its own shard (Linear.quantize)
         quantization.quantize_linears(named_linears, quantization.ON_THE_FLY[quantize])
-        if torch.device(device).type == "cpu":  # per vocabulary row: a vocabulary shard rounds alike
+        if quantized_linear.int_kernel(device) == "cpu":  # per vocabulary row: a vocabulary shard rounds alike
             lm_head_scheme = quantization.LM_HEAD[quantization.ON_THE_FLY[quantize].activation_bits]
     elif checkpoint is not None and (checkpoint.keeps_integers or checkpoint.keeps_fp8):
         checkpoint.attach(dict(model.named_modules()))
