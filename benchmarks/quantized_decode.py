@@ -9,6 +9,8 @@ Makes the anchor model with ``../shared/anchors/make_tiny_model.py DIR --size sm
 DIR holds one, loads it the way the engine does (``--dtype auto``: on a CPU without native bf16, float32
 activations over bf16-stored linear weights; with native bf16, bf16) once per ``--modes`` row: as is
 and with each ``--quantization`` (int8, int4: float activations; w8a8, w4a8: int8 activations), and times ``model(batch)`` plus ``compute_logits``
+(a mode ``NAME:bf16-head``: that scheme with the LM head packed dense again from the checkpoint, as before every
+scheme rounded it)
 for one decode token per sequence at ``--context`` cached tokens. Rows are repeated ``--rounds`` times,
 interleaved, and the median is reported. The floor is the bytes the step reads in linear weights (integers,
 scales, offsets; the dense LM head) over the host's read bandwidth, measured in the same run (a sum over a
@@ -34,7 +36,7 @@ from decode_step import decode_batch, read_bandwidth, time_steps  # noqa: E402
 from tidal.gpu.cpu import huge_pages  # noqa: E402
 from tidal.gpu.model import quantization  # noqa: E402
 from tidal.gpu.model.attention import TorchPagedAttention  # noqa: E402
-from tidal.gpu.model.layers import Linear  # noqa: E402
+from tidal.gpu.model.layers import Linear, place_kernel_weights  # noqa: E402
 from tidal.gpu.model.loader import checkpoint_weight_dtype, load_model  # noqa: E402
 from tidal.gpu.model.precision import resolve_precision  # noqa: E402
 
@@ -46,6 +48,17 @@ def anchor_model(model_dir: str, size: str, anchors: str) -> str:
         subprocess.run([sys.executable, os.path.join(anchors, "make_tiny_model.py"), model_dir, "--size", size],
                        check=True)
     return model_dir
+
+
+def dense_head(model_dir: str, config, dtype: torch.dtype) -> Linear:
+    """The checkpoint's LM head (the embedding table where they are tied) as a packed dense Linear."""
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(model_dir, "model.safetensors"))
+    weight = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"].to(dtype)
+    head = Linear.packed_from(weight)
+    place_kernel_weights([head])
+    return head
 
 
 def main() -> None:
@@ -79,12 +92,17 @@ def main() -> None:
 
     models = {}
     rows = {"bf16": (None, "1"), "bf16, python layers": (None, "0"),
-            **{name: (name, "1") for name in quantization.ON_THE_FLY}}
+            **{name: (name, "1") for name in quantization.ON_THE_FLY},
+            **{f"{name}:bf16-head": (name, "1") for name in quantization.ON_THE_FLY}}
     for label in ["bf16", *(m for m in args.modes.split(",") if m != "bf16")]:
         quantize, stack = rows[label]
         os.environ["TIDAL_CPU_STACK"] = stack
         model, config = load_model(model_dir, precision.dtype, torch.device("cpu"), TorchPagedAttention("cpu"),
                                    linear_weights=precision.linear_weights, quantize=quantize)
+        if label.endswith(":bf16-head"):  # in place of the rounded one, so its bytes count once
+            model._packed_lm_head = dense_head(model_dir, config, precision.dtype)
+            if not config.tie_word_embeddings:
+                model.lm_head = model._packed_lm_head
         quantized, dense = quantization.weight_bytes([m for m in model.modules() if isinstance(m, Linear)])
         models[label] = (model, quantized + dense)
     os.environ.pop("TIDAL_CPU_STACK")
