@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Quantized tidal against llama.cpp's quantized server, same client, same rows, one server at a time:
-# llama.cpp Q8_0 vs tidal w8a8 and int8, llama.cpp Q4_0 vs tidal w4a8 and int4, on the tiny and small anchor models.
+# llama.cpp Q8_0 vs tidal --quantization int8, llama.cpp Q4_0 vs int4, on the tiny and small anchor models. A scheme
+# is NAME or NAME:DTYPE (adds --dtype DTYPE): int8 / int4 under --dtype auto run with int8 activations (as w8a8 /
+# w4a8); the default rows add them with exact activations in the dtype auto gives the dense model on this host.
 #   bash benchmarks/quantized_side_by_side.sh            # needs ../shared/anchors/llama_cpp_anchor.sh run once
 #   MODELS="small" PAIRS="q8_0" bash benchmarks/quantized_side_by_side.sh
-#   ROWS="1:24" WARM="1:8" SCHEMES="w8a8 w4a8" bash benchmarks/quantized_side_by_side.sh   # c=1 rows, int8 activations only
-#   ROUNDS=3 MODELS=tiny ROWS="1:24" WARM="1:8" SCHEMES="w8a8 w4a8" bash ...   # the pairs three times over, alternating
+#   ROWS="1:24" WARM="1:8" SCHEMES="int8 int4" bash benchmarks/quantized_side_by_side.sh   # c=1 rows, auto only
+#   ROUNDS=3 MODELS=tiny ROWS="1:24" WARM="1:8" SCHEMES="int8 int4" bash ...   # the pairs three times over, alternating
 # Rows and warm-up as ../shared/anchors/side_by_side.sh and llama_cpp_anchor.sh (vllm bench serve, openai-chat,
 # random 128 in / 128 out, --ignore-eos). Appends JSON lines to $OUT and prints a table. Needs a quiet machine.
 set -u
@@ -15,21 +17,23 @@ PY=$A/vllm-venv/bin/python
 TIDAL=${TIDAL:-tidal}
 LLAMA=${LLAMA:-$A/llama-src/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server}
 OUT=${OUT:-$PWD/quantized_side_by_side.jsonl}
+exact=float32; grep -q -w -E 'avx512_bf16|amx_bf16' /proc/cpuinfo && exact=bfloat16  # what auto means for bf16 models
 echo "host: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores, flags: $(grep -o -w -E 'avx2|avx512f|avx512_vnni|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')"
 for round in $(seq "${ROUNDS:-1}"); do  # on a noisy host a ratio means something only across alternating rounds
 for m in ${MODELS:-tiny small}; do
   if [ "$m" = tiny ]; then rows="1:48,64:256"; warm="64:128"; np=64; ctx=32768; else rows="1:8,16:64"; warm="16:32"; np=16; ctx=8192; fi
   rows=${ROWS:-$rows}; warm=${WARM:-$warm}
   for pair in ${PAIRS:-q8_0 q4_0}; do
-    if [ "$pair" = q8_0 ]; then schemes="w8a8 int8"; else schemes="w4a8 int4"; fi
+    if [ "$pair" = q8_0 ]; then schemes="int8 int8:$exact"; else schemes="int4 int4:$exact"; fi
     "$PY" "$ANCHOR_TOOLS/side_by_side.py" --name "llama.cpp-$pair" --model "$A/models/$m" --port 18500 --rows "$rows" \
       --warm "$warm" --out "$OUT" --bench-python "$PY" \
       --serve "$LLAMA -m $A/gguf/$m-$pair.gguf --host 127.0.0.1 --port 18500 -c $ctx -np $np -t 2 --jinja --alias $A/models/$m"
-    for q in $schemes; do
-      case " ${SCHEMES:-$schemes} " in *" $q "*) ;; *) continue ;; esac
+    for q in ${SCHEMES:-$schemes}; do
+      case "$pair:$q" in q8_0:*8a8*|q8_0:int8*|q4_0:*4a8*|q4_0:int4*) ;; *) continue ;; esac  # the pair's bits
+      dtype=""; [ "${q#*:}" = "$q" ] || dtype="--dtype ${q#*:}"
       "$PY" "$ANCHOR_TOOLS/side_by_side.py" --name "tidal-$q" --model "$A/models/$m" --port 18600 --rows "$rows" \
         --warm "$warm" --out "$OUT" --bench-python "$PY" \
-        --serve "$TIDAL serve --model $A/models/$m --served-model-name $A/models/$m --host 127.0.0.1 --port 18600 --quantization $q"
+        --serve "$TIDAL serve --model $A/models/$m --served-model-name $A/models/$m --host 127.0.0.1 --port 18600 --quantization ${q%%:*} $dtype"
     done
   done
 done

@@ -13,6 +13,7 @@ import array
 import itertools
 import logging
 
+import msgspec
 import torch
 
 from tidal.gpu.cpu import huge_pages
@@ -22,6 +23,7 @@ from tidal.gpu.forward_batch import ForwardBatch
 from tidal.gpu.model.config import ModelConfig
 from tidal.gpu.model.loader import checkpoint_weight_dtype, load_model, quantized_weights_note, resolve_model_dir
 from tidal.gpu.model.precision import resolve_precision
+from tidal.gpu.model.quantization import resolve_on_the_fly
 from tidal.gpu.sequence import Sequence
 from tidal.gpu.model.synthetic_model import SYNTHETIC_MODEL_NAME, SyntheticModel
 from tidal.wire import EngineConfig
@@ -55,6 +57,10 @@ class ModelRunner:
         # linear weights in bf16 with float32 activations: the AVX2 path on a bf16 checkpoint (precision.py)
         precision = resolve_precision(config.dtype, self.device, checkpoint_weight_dtype(self.model_dir))
         self.dtype, self.linear_weights, self.dtype_reason = precision.dtype, precision.linear_weights, precision.reason
+        quantize, why = resolve_on_the_fly(config.quantization, config.dtype, self.device)
+        if why:
+            config = self.config = msgspec.structs.replace(config, quantization=quantize)
+            self.dtype_reason += "; " + why
         self.tp = None  # this rank's parallel.TensorParallel, with --tensor-parallel-size > 1
         if config.tensor_parallel_size > 1:
             from tidal.gpu.parallel.group import join_group

@@ -18,7 +18,7 @@ from hf_models import hf_greedy, load_hf_model, make_hf_model
 from paged_batch import greedy_tokens, prompt_logits
 from tidal.gpu.model.attention import TorchPagedAttention
 from tidal.gpu.model.loader import load_model
-from tidal.gpu.model.quantization import LM_HEAD, ON_THE_FLY, int_linear_ops, quantize
+from tidal.gpu.model.quantization import LM_HEAD, ON_THE_FLY, int_linear_ops, quantize, resolve_on_the_fly
 
 pytest.importorskip("compressed_tensors")
 from quantized_checkpoints import write_compressed  # noqa: E402 - needs compressed_tensors
@@ -216,3 +216,15 @@ def test_a_bf16_models_int8_head_gives_float32_logits_not_rounded_to_bf16(dense_
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
     assert not torch.equal(logits, logits.bfloat16().float())  # finer than bf16
+
+
+@pytest.mark.parametrize("name, dtype, device, runs_as", [
+    ("int8", "auto", "cpu", "w8a8"), ("int4", "auto", "cpu", "w4a8"),  # the faster kernel, as asked for by auto
+    ("int4", "float32", "cpu", "int4"), ("int4", "bfloat16", "cpu", "int4"),  # a named dtype: exact activations
+    ("int4", "auto", "cuda", "int4"),  # the Triton kernel is weight-only
+    ("w8a8", "float32", "cpu", "w8a8"), ("fp8", "auto", "cuda", "fp8"), (None, "auto", "cpu", None),
+])
+def test_which_scheme_a_quantization_flag_runs_as(name, dtype, device, runs_as):
+    scheme, why = resolve_on_the_fly(name, dtype, torch.device(device))
+    assert scheme == runs_as
+    assert bool(why) == (runs_as != name) and (not why or f"--quantization {name} runs as {runs_as}" in why)
