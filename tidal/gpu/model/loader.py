@@ -102,14 +102,17 @@ def quantization_groups(model_dir: str, quantize: str | None) -> tuple[str, int]
 
 
 def quantized_weights_note(model) -> str:
-    """For the ready line: "; int8 weights: 1.2 MB int + 0.5 MB dense per step" when any linear is quantized."""
+    """For the ready line: "; int4+int8 weights (int8 activations): 48.8 MB quantized + 0.0 MB dense linear weights
+    read per step" when any linear is quantized (int8: the LM head's format; activations named when rounded)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    schemes = sorted({quantized_linear.scheme_name(m.int_packed) for m in linears if m.int_packed is not None})
-    if not schemes:
+    packed = [m.int_packed for m in linears if m.int_packed is not None]
+    if not packed:
         return ""
+    formats = "+".join(sorted({quantized_linear.weight_format(p) for p in packed}))
+    rounded = any(getattr(p, "activation_bits", 16) == 8 for p in packed)
     quantized, dense = quantization.weight_bytes(linears)
     tp = getattr(model, "tp", None)
-    return (f"; {'+'.join(schemes)} weights: {quantized / 1e6:.1f} MB quantized + {dense / 1e6:.1f} MB dense "
+    return (f"; {formats} weights{' (int8 activations)' if rounded else ''}: {quantized / 1e6:.1f} MB quantized + {dense / 1e6:.1f} MB dense "
             f"linear weights read per step{'' if tp is None else f' by each of {tp.size} ranks'}")
 
 

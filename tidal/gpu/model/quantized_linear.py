@@ -54,11 +54,9 @@ def pack(weight, device: torch.device | str):
     return quantization.PackedInt(weight, quantization.int_linear_ops(device))
 
 
-def scheme_name(packed) -> str:
-    """"int8", "int4", "w8a8", "w4a8" or "fp8", for the ready line."""
-    if isinstance(packed, Fp8Linear):
-        return "fp8"
-    return f"int{packed.bits}" if getattr(packed, "activation_bits", 16) == 16 else f"w{packed.bits}a8"
+def weight_format(packed) -> str:
+    """"int8", "int4" or "fp8", for the ready line."""
+    return "fp8" if isinstance(packed, Fp8Linear) else f"int{packed.bits}"
 
 
 class TritonInt:
