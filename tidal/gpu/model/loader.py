@@ -109,10 +109,10 @@ def quantized_weights_note(model) -> str:
     if not packed:
         return ""
     formats = "+".join(sorted({quantized_linear.weight_format(p) for p in packed}))
-    rounded = any(getattr(p, "activation_bits", 16) == 8 for p in packed)
+    activations = " (int8 activations)" if any(getattr(p, "activation_bits", 16) == 8 for p in packed) else ""
     quantized, dense = quantization.weight_bytes(linears)
     tp = getattr(model, "tp", None)
-    return (f"; {formats} weights{' (int8 activations)' if rounded else ''}: {quantized / 1e6:.1f} MB quantized + {dense / 1e6:.1f} MB dense "
+    return (f"; {formats} weights{activations}: {quantized / 1e6:.1f} MB quantized + {dense / 1e6:.1f} MB dense "
             f"linear weights read per step{'' if tp is None else f' by each of {tp.size} ranks'}")
 
 
