@@ -1,8 +1,10 @@
-"""Weight-only quantized linears: int8 (per output channel) and int4 (per group of inputs) on CPU.
+"""Quantized linears on CPU: int8 (per output channel) and int4 (per group of inputs) weights.
 
 A decode step at small batch reads every linear weight once, so its time is the bytes of the weights:
 int8 reads half of bf16, int4 a quarter (plus their scales). The weights are held as integers with
-float32 scales and dequantized inside the kernel (csrc/linear_int.cpp): w = (q - zero_point) * scale.
+float32 scales: w = (q - zero_point) * scale. Weight-only schemes dequantize them inside the kernel against
+float activations (csrc/linear_int.cpp); with int8 activations (w8a8 / w4a8, what int8 / int4 run as under
+``--dtype auto``: ``resolve_on_the_fly``) the kernel multiplies integers (csrc/linear_int_a8.cpp).
 
 They come from two places: ``--quantization int8|int4`` rounds a full-precision checkpoint's weights
 to the nearest step at load (``quantize``), and a compressed-tensors checkpoint carries them already
