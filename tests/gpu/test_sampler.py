@@ -213,6 +213,18 @@ def test_masked_tokens_are_never_drawn(draw_path):
     assert set(draws(row, params(temperature=1e-3), 200)) == {1000}
 
 
+def test_plain_scales_are_decided_once_per_composition_and_vocabulary():
+    # the one-pass draw's 1/temperature of the sampled rows (greedy rows take argmax), None when a row filters;
+    # whether top-k cuts anything depends on the vocabulary, so the decision is made again for another size
+    batch = SamplingBatch([params(temperature=0.5), params(temperature=0.0), params(temperature=2.0, top_k=5)],
+                          [[], [], []], [[], [], []], [None] * 3)
+    assert batch.plain_scales(100) is None
+    assert batch.plain_scales(4).tolist() == [2.0, 0.5]
+    assert batch.plain_scales(4) is batch.plain_scales(4)  # built once
+    assert SamplingBatch([params(min_p=0.1)], [[]], [[]], [None]).plain_scales(4) is None
+    assert SamplingBatch([params(top_p=0.9)], [[]], [[]], [None]).plain_scales(4) is None
+
+
 def test_inverse_cdf_draw_edges():
     ops = sampler_module._cpu_draw(torch.zeros(1, 4))
     if ops is None:

@@ -60,9 +60,25 @@ class SamplingBatch:
         self.prompt_token_ids = prompt_token_ids
         self.generators = generators
         self.sampled_rows = [i for i, p in enumerate(params) if not _is_greedy(p)]  # the rest: argmax
+        self.sampled_params = [params[i] for i in self.sampled_rows]
+        self.sampled_generators = [generators[i] for i in self.sampled_rows]
         self.penalised = any(
             p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             for p in params)
+        self._plain_scales: torch.Tensor | None = None
+        self._plain_scales_vocab = -1  # the vocabulary size _plain_scales was decided for
+
+    def plain_scales(self, vocab_size: int) -> torch.Tensor | None:
+        """1 / temperature of each sampled row when none of them filters (top-k, top-p or min-p cuts
+        nothing), the one-pass draw's input; None when one does. Decided once per composition: at one
+        row, building it every step cost about as much as the draw itself."""
+        if self._plain_scales_vocab != vocab_size:
+            params = self.sampled_params
+            filters = any(_cuts_top_k_or_p(p, vocab_size) or p.min_p > 0.0 for p in params)
+            self._plain_scales = None if filters else torch.tensor(
+                [1.0 / p.temperature for p in params], dtype=torch.float32)
+            self._plain_scales_vocab = vocab_size
+        return self._plain_scales
 
     def __len__(self) -> int:
         return len(self.params)
@@ -77,18 +93,18 @@ class Sampler:
         num_rows = logits.shape[0]
         if num_rows == 0:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
-        params, generators, sampled = batch.params, batch.generators, batch.sampled_rows
+        sampled = batch.sampled_rows
         if batch.penalised:
-            apply_penalties(logits, params, batch.output_token_ids, batch.prompt_token_ids)
+            apply_penalties(logits, batch.params, batch.output_token_ids, batch.prompt_token_ids)
         if not sampled:
             return row_argmax(logits)
+        scales = batch.plain_scales(logits.shape[1])
         if len(sampled) == num_rows:
-            return _sample_rows(logits, params, generators)
+            return _sample_rows(logits, batch.sampled_params, batch.sampled_generators, scales)
 
         tokens = row_argmax(logits)
         rows = torch.tensor(sampled, device=logits.device)
-        tokens[rows] = _sample_rows(
-            logits[rows], [params[i] for i in sampled], [generators[i] for i in sampled])
+        tokens[rows] = _sample_rows(logits[rows], batch.sampled_params, batch.sampled_generators, scales)
         return tokens
 
 
@@ -198,18 +214,17 @@ WIDEN_FACTOR = 8
 
 def _sample_rows(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    plain_scales: torch.Tensor | None,
 ) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then a draw; for rows that are not greedy.
+    ``plain_scales``: ``SamplingBatch.plain_scales`` of these rows (None: some row filters).
 
     Filters work on probabilities and leave them unnormalised (masked tokens get 0): the
     draw only compares ratios, so renormalising would change nothing.
     """
-    vocab_size = logits.shape[1]
-    filters = any(_cuts_top_k_or_p(p, vocab_size) or p.min_p > 0.0 for p in params)
     draw = _cpu_draw(logits)
-    if draw is not None and not filters:  # softmax, temperature and draw in one pass per row
-        inv_temperature = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
-        return draw(logits, inv_temperature, _uniforms(generators))
+    if draw is not None and plain_scales is not None:  # softmax, temperature and draw in one pass per row
+        return draw(logits, plain_scales, _uniforms(generators))
     if any(p.temperature != 1.0 for p in params):
         logits.div_(_per_row(params, "temperature", logits).unsqueeze(1))
     probs = logits.softmax(dim=-1)
@@ -282,10 +297,15 @@ def _cpu_draw(logits: torch.Tensor):
     less CPU at 8192 tokens per row."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
         return None
-    from tidal.gpu.cpu.kernels import load_cpu_ops
+    if not _DRAW:  # looked up once: an import and two attribute lookups a step cost ~2 us at one row
+        from tidal.gpu.cpu.kernels import load_cpu_ops
 
-    ops = load_cpu_ops()
-    return None if ops is None else ops.categorical_sample
+        ops = load_cpu_ops()
+        _DRAW.append(None if ops is None else ops.categorical_sample)
+    return _DRAW[0]
+
+
+_DRAW: list = []  # _cpu_draw's op (or None: no kernels), once known
 
 
 def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
