@@ -54,6 +54,10 @@ class ModelRunner:
         per_node = config.tensor_parallel_size // config.nnodes  # 1 without tensor parallelism
         self.device = resolve_device(config.device, config.data_parallel_rank * per_node + tp_rank % per_node)
         self.model_dir = resolve_model_dir(config.model)
+        # a decode-only batch's prefill fields (query starts [0], no lengths, no tables), shared by every such batch
+        self._no_prefills = (torch.zeros(1, dtype=torch.int32, device=self.device),
+                             torch.empty(0, dtype=torch.int32, device=self.device),
+                             torch.empty((0, 0), dtype=torch.int32, device=self.device))
         # linear weights in bf16 with float32 activations: the AVX2 path on a bf16 checkpoint (precision.py)
         precision = resolve_precision(config.dtype, self.device, checkpoint_weight_dtype(self.model_dir))
         self.dtype, self.linear_weights, self.dtype_reason = precision.dtype, precision.linear_weights, precision.reason
@@ -155,7 +159,7 @@ class ModelRunner:
             if num_new != 1:
                 break
             num_decodes += 1
-        decodes = entries[:num_decodes]
+        decodes, prefills = entries[:num_decodes], entries[num_decodes:]
         # decodes, one row each (the sequence's one uncomputed token), in flat loops
         positions = [seq.num_computed_tokens for seq, _ in decodes]
         input_ids = [seq.token_ids[p] for (seq, _), p in zip(decodes, positions)]
@@ -167,7 +171,7 @@ class ModelRunner:
         prefill_tables: list[list[int]] = []
         q_lens: list[int] = []
         seq_lens: list[int] = []
-        for seq, num_new in entries[num_decodes:]:
+        for seq, num_new in prefills:
             start = seq.num_computed_tokens
             end = start + num_new
             table = seq.block_table
@@ -179,25 +183,29 @@ class ModelRunner:
             prefill_tables.append(table)
             q_lens.append(num_new)
             seq_lens.append(end)
-        q_start = [0]
-        for n in q_lens:
-            q_start.append(q_start[-1] + n)
         # Two tensors per pass (one per dtype), the fields are views of them: at batch 1 each
         # tensor built from a list costs about as much as the step's scheduling.
         num_rows, num_sampled = len(input_ids), len(logits_rows)
         rows = _tensor("q", input_ids + positions + slots + logits_rows, self.device)
-        decode_width = max((len(t) for t in decode_tables), default=0)
-        prefill_width = max((len(t) for t in prefill_tables), default=0)
+        decode_width = max(map(len, decode_tables), default=0)
         ints = list(itertools.chain.from_iterable(t + [0] * (decode_width - len(t)) for t in decode_tables))
         ints += decode_lens
-        ints += q_start
-        ints += seq_lens
-        ints.extend(itertools.chain.from_iterable(t + [0] * (prefill_width - len(t)) for t in prefill_tables))
-        ints = _tensor("i", ints, self.device)
-        ints_at = itertools.accumulate((num_decodes * decode_width, num_decodes, len(q_start), len(seq_lens),
-                                        len(prefill_tables) * prefill_width), initial=0)
-        tables, lens, starts, prefill_lens, prefill_tables_flat = (
-            ints[a:b] for a, b in itertools.pairwise(ints_at))
+        if not prefills:  # the steady state: the prefill fields are shared empty tensors, not views to make
+            ints = _tensor("i", ints, self.device)
+            tables, lens = ints[:num_decodes * decode_width], ints[num_decodes * decode_width:]
+            starts, prefill_lens, prefill_tables_2d = self._no_prefills
+        else:
+            q_start = list(itertools.accumulate(q_lens, initial=0))
+            prefill_width = max(map(len, prefill_tables))
+            ints += q_start
+            ints += seq_lens
+            ints.extend(itertools.chain.from_iterable(t + [0] * (prefill_width - len(t)) for t in prefill_tables))
+            ints = _tensor("i", ints, self.device)
+            ints_at = itertools.accumulate((num_decodes * decode_width, num_decodes, len(q_start), len(seq_lens),
+                                            len(prefill_tables) * prefill_width), initial=0)
+            tables, lens, starts, prefill_lens, prefill_tables_flat = (
+                ints[a:b] for a, b in itertools.pairwise(ints_at))
+            prefill_tables_2d = prefill_tables_flat.view(len(prefill_tables), prefill_width)
         return ForwardBatch(
             input_ids=rows[:num_rows],
             positions=rows[num_rows:2 * num_rows],
@@ -210,7 +218,7 @@ class ModelRunner:
             prefill_seq_lens=seq_lens,
             prefill_query_start_loc=starts,
             prefill_seq_lens_tensor=prefill_lens,
-            prefill_block_tables=prefill_tables_flat.view(len(prefill_tables), prefill_width),
+            prefill_block_tables=prefill_tables_2d,
             logits_indices=rows[3 * num_rows:3 * num_rows + num_sampled],
         )
 
@@ -227,4 +235,5 @@ def _tensor(typecode: str, values: list[int], device: torch.device) -> torch.Ten
     dtype = torch.int64 if typecode == "q" else torch.int32
     if not values:
         return torch.empty(0, dtype=dtype, device=device)
-    return torch.frombuffer(array.array(typecode, values), dtype=dtype).to(device)
+    tensor = torch.frombuffer(array.array(typecode, values), dtype=dtype)
+    return tensor if device.type == "cpu" else tensor.to(device)
