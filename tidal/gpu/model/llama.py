@@ -156,6 +156,11 @@ class LlamaForCausalLM(nn.Module):
         self._packed_lm_head: Linear | None = None
         self._decoder_stack = None  # the layers as one C++ call, once packed where it can run (_build_decoder_stack)
         self._stack_max_rows: int | None = None  # rows up to which its linears run (None: any)
+        # what each decode asks of the stack, looked up once (at one row, module attribute lookups cost ~10 us a step):
+        # the attention backend that plans its rows, the activations' dtype, and (kv_caches, its k and v lists)
+        self._stack_attention = None
+        self._stack_dtype: torch.dtype | None = None
+        self._stack_caches: tuple = (None, [], [])
         attn = self.model.layers[0].self_attn
         self._fused_sizes = {  # this rank's sizes of the parts of the fused tensors
             "qkv_proj": (attn.q_size, attn.kv_size, attn.kv_size),
@@ -178,8 +183,10 @@ class LlamaForCausalLM(nn.Module):
         """
         rows = self._stack_rows(batch, kv_caches)
         if rows is not None:  # the same ops, in one call (csrc/decoder_stack.cpp)
+            if self._stack_caches[0] is not kv_caches:
+                self._stack_caches = (kv_caches, [k for k, _ in kv_caches], [v for _, v in kv_caches])
             return self._decoder_stack.forward(batch.input_ids, batch.positions, batch.slot_mapping, *rows,
-                                               [k for k, _ in kv_caches], [v for _, v in kv_caches])
+                                               *self._stack_caches[1:])
         if self.tp is None:
             residual = F.embedding(batch.input_ids, self.model.embed_tokens)
         else:
@@ -196,8 +203,7 @@ class LlamaForCausalLM(nn.Module):
         if self._decoder_stack is None or (self._stack_max_rows is not None
                                            and batch.input_ids.shape[0] > self._stack_max_rows):
             return None
-        return self.model.layers[0].self_attn.attention.kernel_rows(batch, self.model.embed_tokens.dtype,
-                                                                    kv_caches[0][0])
+        return self._stack_attention.kernel_rows(batch, self._stack_dtype, kv_caches[0][0])
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] of the rows of ``forward``'s output that sample (tensor-parallel:
@@ -274,6 +280,7 @@ class LlamaForCausalLM(nn.Module):
         shape = [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.qkv_proj.out_features,
                  attn.o_proj.out_features, first.mlp.gate_up_proj.out_features, first.mlp.down_proj.out_features]
         self._stack_max_rows = None if avx2 or ints else attn.qkv_proj._gemv_rows
+        self._stack_attention, self._stack_dtype = attn.attention, self.model.embed_tokens.dtype
         stack = torch.classes.tidal_cpu.DecoderStack(tensors, shape, avx2 or ints, first.input_layernorm.eps, attn.scale)
         if ints:
             int_tensors, params = [], []
