@@ -147,10 +147,10 @@ class ModelRunner:
             logits = self.cuda_graphs.run(batch)
             if logits is not None:
                 return logits
-        hidden = self.model(batch, self.kv_caches)
-        if batch.logits_indices.shape[0] == hidden.shape[0]:  # every row samples (all decodes): rows in order
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        if batch.logits_indices.shape[0] == batch.input_ids.shape[0]:  # every row samples (all decodes): rows in order
+            logits = self.model.decode_logits(batch, self.kv_caches)
+            return logits if logits is not None else self.model.compute_logits(self.model(batch, self.kv_caches))
+        return self.model.compute_logits(self.model(batch, self.kv_caches)[batch.logits_indices])
 
     def _prepare(self, entries: list[tuple[Sequence, int]]) -> ForwardBatch:
         bs = self.block_size

@@ -161,6 +161,7 @@ class LlamaForCausalLM(nn.Module):
         self._stack_attention = None
         self._stack_dtype: torch.dtype | None = None
         self._stack_caches: tuple = (None, [], [])
+        self._stack_has_head = False  # the stack also runs the LM head (an int8/int4 one): decode_logits
         attn = self.model.layers[0].self_attn
         self._fused_sizes = {  # this rank's sizes of the parts of the fused tensors
             "qkv_proj": (attn.q_size, attn.kv_size, attn.kv_size),
@@ -196,6 +197,20 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             out, residual = layer(out, residual, cos, sin, kv_cache, batch)
         return self.model.norm.add_norm(residual, out)
+
+    def decode_logits(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """``compute_logits(forward(batch, kv_caches))`` for a batch whose every row samples (all decodes), in the
+        decoder stack's one call when it carries the LM head (an int8/int4 head on a CPU); else None: the caller
+        runs the two."""
+        if not self._stack_has_head:
+            return None
+        rows = self._stack_rows(batch, kv_caches)
+        if rows is None:
+            return None
+        if self._stack_caches[0] is not kv_caches:
+            self._stack_caches = (kv_caches, [k for k, _ in kv_caches], [v for _, v in kv_caches])
+        return self._decoder_stack.logits(batch.input_ids, batch.positions, batch.slot_mapping, *rows,
+                                          *self._stack_caches[1:])
 
     def _stack_rows(self, batch: ForwardBatch, kv_caches) -> tuple | None:
         """The rows' (block tables, lengths) when the one-call decoder stack runs this batch, else None:
@@ -291,6 +306,13 @@ class LlamaForCausalLM(nn.Module):
                     int_tensors += [weight.packed, weight.scales, empty if weight.offsets is None else weight.offsets]
                     params += [weight.bits, weight.group_size, weight.activation_bits]
             stack.use_int_linears(int_tensors, params)
+        head = self._packed_lm_head
+        self._stack_has_head = head is not None and isinstance(head.int_packed, PackedInt)
+        if self._stack_has_head:
+            weight = head.int_packed
+            stack.use_int_lm_head(weight.packed, weight.scales, empty if weight.offsets is None else weight.offsets,
+                                  [weight.n, weight.bits, weight.group_size, weight.activation_bits],
+                                  empty if head.bias is None else head.bias)
         return stack
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

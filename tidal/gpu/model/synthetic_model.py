@@ -30,6 +30,9 @@ class SyntheticModel:
     def __call__(self, batch: ForwardBatch, kv_caches) -> torch.Tensor:
         return batch.input_ids  # "hidden state": the input token of each row
 
+    def decode_logits(self, batch: ForwardBatch, kv_caches) -> None:
+        return None  # the runner calls compute_logits(self(batch)): nothing to fuse
+
     def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
         next_ids = (rows * 7919 + 17) % self._span + _FIRST_PLAIN_TOKEN
         if self._logits.shape[0] < rows.shape[0]:

@@ -111,6 +111,39 @@ class DecoderStack : public torch::CustomClassHolder {
     }
   }
 
+  // The LM head on int8/int4 weights, as LlamaForCausalLM.compute_logits runs it (linear_int on the hidden rows
+  // widened to float32): params are (n, bits, group_size, activation_bits); offsets and bias may be empty tensors.
+  // logits() then runs forward and the head in one call: at one row of the tiny model the head's op call from
+  // Python, its checks and the float copy cost ~15 us of a ~230 us step.
+  void use_int_lm_head(at::Tensor packed, at::Tensor scales, at::Tensor offsets, std::vector<int64_t> params,
+                       at::Tensor bias) {
+    TORCH_CHECK(params.size() == 4, "params must be [n, bits, group_size, activation_bits]");
+    const int64_t n = params[0], bits = params[1], group_size = params[2], activation_bits = params[3];
+    TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits must be 8 or 16");
+    const int64_t hidden = embed_.size(1);
+    if (activation_bits == 8)
+      head_a8_ = a8_linear(packed, scales, present(offsets), n, hidden, bits, group_size, present(bias));
+    else
+      head_weight_only_ = int_linear(packed, scales, present(offsets), n, hidden, bits, group_size, present(bias));
+  }
+
+  // forward's rows through the LM head: float32 logits [T, vocab] of every row (use_int_lm_head first), the same
+  // values as compute_logits(forward(...)).
+  at::Tensor logits(at::Tensor input_ids, at::Tensor positions, at::Tensor slot_mapping, at::Tensor tables,
+                    at::Tensor lens, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
+    TORCH_CHECK(head_a8_.has_value() || head_weight_only_.has_value(), "the stack has no LM head");
+    at::Tensor hidden = forward(input_ids, positions, slot_mapping, tables, lens, k_caches, v_caches);
+    if (hidden.scalar_type() != at::kFloat) hidden = hidden.to(at::kFloat);
+    const int64_t rows = hidden.size(0);
+    const int64_t n = head_a8_.has_value() ? head_a8_->n : head_weight_only_->n;
+    at::Tensor out = at::empty({rows, n}, hidden.options());
+    if (head_a8_.has_value())
+      linear_int_a8_into(hidden.data_ptr<float>(), rows, *head_a8_, out.data_ptr<float>());
+    else
+      linear_int_into(hidden.data_ptr<float>(), rows, hidden.size(1), *head_weight_only_, out.data_ptr<float>());
+    return out;
+  }
+
   // The model's forward over the rows: embedding, every layer, final norm; returns the final-normed hidden
   // states [T, hidden], as LlamaForCausalLM.forward does. positions: the rows' positions [T] (their rotary
   // angles are rotary_angles', as RotaryEmbedding.cos_sin's); tables/lens: each row's block table and attended
@@ -280,6 +313,8 @@ class DecoderStack : public torch::CustomClassHolder {
   at::Tensor residual_, zeros_, cos_, sin_, normed_, attended_, activated_;  // buffer(): reused by every forward
   at::Tensor x32_, y32_;  // a bf16 stack's int linears' float input (int8 activations) and float output
   LinearOut qkv_, o_, gate_up_, down_;
+  std::optional<A8Linear> head_a8_;            // the LM head (use_int_lm_head), with int8 activations
+  std::optional<IntLinear> head_weight_only_;  // or on the float rows
   bool avx2_;
   double eps_, scale_;
   int64_t num_heads_ = 0, num_kv_heads_ = 0, head_dim_ = 0;
@@ -292,5 +327,7 @@ TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.class_<tidal_cpu::DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, bool, double, double>())
       .def("use_int_linears", &tidal_cpu::DecoderStack::use_int_linears)
-      .def("forward", &tidal_cpu::DecoderStack::forward);
+      .def("use_int_lm_head", &tidal_cpu::DecoderStack::use_int_lm_head)
+      .def("forward", &tidal_cpu::DecoderStack::forward)
+      .def("logits", &tidal_cpu::DecoderStack::logits);
 }
