@@ -182,12 +182,9 @@ class LlamaForCausalLM(nn.Module):
         ``kv_caches[i]`` is layer i's ``(k_cache, v_cache)``, each
         ``[num_blocks, block_size, num_kv_heads, head_dim]``; the batch's new K/V are written into them.
         """
-        rows = self._stack_rows(batch, kv_caches)
-        if rows is not None:  # the same ops, in one call (csrc/decoder_stack.cpp)
-            if self._stack_caches[0] is not kv_caches:
-                self._stack_caches = (kv_caches, [k for k, _ in kv_caches], [v for _, v in kv_caches])
-            return self._decoder_stack.forward(batch.input_ids, batch.positions, batch.slot_mapping, *rows,
-                                               *self._stack_caches[1:])
+        stack_arguments = self._stack_arguments(batch, kv_caches)
+        if stack_arguments is not None:  # the same ops, in one call (csrc/decoder_stack.cpp)
+            return self._decoder_stack.forward(*stack_arguments)
         if self.tp is None:
             residual = F.embedding(batch.input_ids, self.model.embed_tokens)
         else:
@@ -202,23 +199,21 @@ class LlamaForCausalLM(nn.Module):
         """``compute_logits(forward(batch, kv_caches))`` for a batch whose every row samples (all decodes), in the
         decoder stack's one call when it carries the LM head (an int8/int4 head on a CPU); else None: the caller
         runs the two."""
-        if not self._stack_has_head:
+        stack_arguments = self._stack_arguments(batch, kv_caches) if self._stack_has_head else None
+        return None if stack_arguments is None else self._decoder_stack.logits(*stack_arguments)
+
+    def _stack_arguments(self, batch: ForwardBatch, kv_caches) -> tuple | None:
+        """The one-call decoder stack's arguments for this batch, or None when it does not run it: there is a
+        stack, its linears take this many rows, and every row attends on the C++ kernel."""
+        if self._decoder_stack is None or (self._stack_max_rows is not None
+                                           and batch.input_ids.shape[0] > self._stack_max_rows):
             return None
-        rows = self._stack_rows(batch, kv_caches)
+        rows = self._stack_attention.kernel_rows(batch, self._stack_dtype, kv_caches[0][0])
         if rows is None:
             return None
         if self._stack_caches[0] is not kv_caches:
             self._stack_caches = (kv_caches, [k for k, _ in kv_caches], [v for _, v in kv_caches])
-        return self._decoder_stack.logits(batch.input_ids, batch.positions, batch.slot_mapping, *rows,
-                                          *self._stack_caches[1:])
-
-    def _stack_rows(self, batch: ForwardBatch, kv_caches) -> tuple | None:
-        """The rows' (block tables, lengths) when the one-call decoder stack runs this batch, else None:
-        there is a stack, its linears take this many rows, and every row attends on the C++ kernel."""
-        if self._decoder_stack is None or (self._stack_max_rows is not None
-                                           and batch.input_ids.shape[0] > self._stack_max_rows):
-            return None
-        return self._stack_attention.kernel_rows(batch, self._stack_dtype, kv_caches[0][0])
+        return (batch.input_ids, batch.positions, batch.slot_mapping, *rows, *self._stack_caches[1:])
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] of the rows of ``forward``'s output that sample (tensor-parallel:
