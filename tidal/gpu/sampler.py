@@ -11,6 +11,7 @@ depend on nothing but its own logits and seed (not on what else shares the batch
 from __future__ import annotations
 
 import array
+import functools
 import itertools
 import math
 
@@ -297,15 +298,17 @@ def _cpu_draw(logits: torch.Tensor):
     less CPU at 8192 tokens per row."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
         return None
-    if not _DRAW:  # looked up once: an import and two attribute lookups a step cost ~2 us at one row
-        from tidal.gpu.cpu.kernels import load_cpu_ops
-
-        ops = load_cpu_ops()
-        _DRAW.append(None if ops is None else ops.categorical_sample)
-    return _DRAW[0]
+    return _draw_op()
 
 
-_DRAW: list = []  # _cpu_draw's op (or None: no kernels), once known
+@functools.cache
+def _draw_op():
+    """``categorical_sample``, or None without the kernels: looked up once (an import and two attribute
+    lookups a step cost ~2 us at one row)."""
+    from tidal.gpu.cpu.kernels import load_cpu_ops
+
+    ops = load_cpu_ops()
+    return None if ops is None else ops.categorical_sample
 
 
 def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
