@@ -8,7 +8,7 @@
 Makes the anchor model with ``../shared/anchors/make_tiny_model.py DIR --size small`` (bf16 weights) unless
 DIR holds one, loads it the way the engine does (``--dtype auto``: on a CPU without native bf16, float32
 activations over bf16-stored linear weights; with native bf16, bf16) once per ``--modes`` row: as is
-and with each ``--quantization`` (int8, int4: float activations; w8a8, w4a8: int8 activations), and times ``model(batch)`` plus ``compute_logits``
+and with each ``--quantization`` (int8, int4: float activations; w8a8, w4a8: int8 activations), and times ``model.decode_logits`` (or ``model(batch)`` plus ``compute_logits`` where the stack has no head)
 (a mode ``NAME:bf16-head``: that scheme with the LM head packed dense again from the checkpoint, as before every
 scheme rounded it)
 for one decode token per sequence at ``--context`` cached tokens. Rows are repeated ``--rounds`` times,
@@ -121,8 +121,9 @@ def main() -> None:
         for _ in range(args.rounds):
             for label, (model, _) in models.items():
                 def step(model=model) -> None:
-                    hidden = model(fb, caches)
-                    model.compute_logits(hidden[fb.logits_indices])
+                    # what ModelRunner._forward runs for a decode batch: the stack's own head where it has one
+                    if model.decode_logits(fb, caches) is None:
+                        model.compute_logits(model(fb, caches)[fb.logits_indices])
 
                 times[label].append(time_steps(step, args.steps, clock))
         base = statistics.median(times["bf16"])
