@@ -118,16 +118,20 @@ def tile_outputs(ops) -> list[torch.Tensor]:
 
 def test_the_avx2_tiles_compute_what_the_vnni_tiles_compute(ops, tmp_path):
     """A CPU with AVX512-VNNI multiplies the bytes with vpdpbusd, one without with vpmaddubsw + vpmaddwd: both sum
-    the same integers exactly, so the results are the same floats (TIDAL_CPU_INT_DOT=avx2 forces the second)."""
+    the same integers exactly, so the results are the same floats. TIDAL_CPU_ISA=avx2 runs the second as an
+    AVX2-only CPU does: the library built without AVX-512 flags, no bf16 kernel, no native bf16."""
     if ops.linear_int_a8_isa() != "avx512_vnni":
         pytest.skip("this CPU has no AVX512-VNNI: it runs only the AVX2 tiles, which the tests above check")
     here = os.path.dirname(__file__)
     script = (f"import sys, torch; sys.path[:0] = [{here!r}, {os.path.dirname(os.path.dirname(here))!r}]\n"
               "import test_linear_int_a8 as t\n"
               "from tidal.gpu.model.quantization import int_linear_ops\n"
+              "from tidal.gpu.cpu import features, kernels\n"
               "ops = int_linear_ops('cpu'); assert ops.linear_int_a8_isa() == 'avx2', ops.linear_int_a8_isa()\n"
+              "assert kernels._library()[0].startswith('tidal_cpu_avx2_'), kernels._library()\n"
+              "assert features.cpu_native_bf16() is None and not ops.linear_bf16_supported()\n"
               f"torch.save(t.tile_outputs(ops), {str(tmp_path / 'avx2.pt')!r})\n")
-    subprocess.run([sys.executable, "-c", script], check=True, env={**os.environ, "TIDAL_CPU_INT_DOT": "avx2"})
+    subprocess.run([sys.executable, "-c", script], check=True, env={**os.environ, "TIDAL_CPU_ISA": "avx2"})
     avx2 = torch.load(tmp_path / "avx2.pt")
     vnni = tile_outputs(ops)
     assert len(avx2) == len(vnni)

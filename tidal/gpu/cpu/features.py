@@ -1,15 +1,39 @@
-"""What this CPU can do natively, asked once by whoever picks a kernel (precision, layers)."""
+"""What this CPU can do natively, asked once by whoever picks a kernel (precision, layers, the kernels' build).
+
+``TIDAL_CPU_ISA=avx2`` holds tidal to what a CPU with AVX2 and no AVX-512 runs: no native bf16 here, the
+kernels built without AVX-512 flags (kernels.py) and their run-time choices held to the AVX2 tiles
+(csrc/isa.h). One host can then test and measure the other kind of host's path; torch's own kernels follow
+``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS`` and ``ATEN_CPU_CAPABILITY`` (benchmarks set all four).
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
+
+log = logging.getLogger(__name__)
+
+ISA_HOLDS = ("avx2",)
+
+
+def held_to_avx2() -> bool:
+    """Whether ``TIDAL_CPU_ISA=avx2`` holds the CPU path to AVX2 (another value is ignored, with a warning)."""
+    isa = os.environ.get("TIDAL_CPU_ISA", "")
+    if isa and isa not in ISA_HOLDS:
+        log.warning("TIDAL_CPU_ISA=%s ignored: the one hold is %s", isa, " or ".join(ISA_HOLDS))
+    return isa == "avx2"
 
 
 def cpu_native_bf16() -> str | None:
-    """The CPU's native bf16 instruction set ("amx_bf16" or "avx512_bf16"), or None without one.
+    """The CPU's native bf16 instruction set ("amx_bf16" or "avx512_bf16"), or None without one (or when
+    held to AVX2).
 
     Asks torch's cpuinfo (any OS), then /proc/cpuinfo (Linux) when this torch cannot say.
     """
+    if held_to_avx2():
+        return None
     cpu = torch.cpu
     if hasattr(cpu, "_is_amx_tile_supported") and hasattr(cpu, "_is_avx512_bf16_supported"):
         if cpu._is_amx_tile_supported():

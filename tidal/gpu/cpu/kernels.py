@@ -48,6 +48,8 @@ from pathlib import Path
 
 import torch
 
+from tidal.gpu.cpu import features
+
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -56,7 +58,7 @@ _SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "paged_decode_bf16.cpp", _CSRC /
             _CSRC / "sampling.cpp",
             _CSRC / "decoder_stack.cpp"]
 _HEADERS = [_CSRC / name for name in ("vec8.h", "linear_int_tile.h", "linear_int_a8_tile.h", "paged_decode_bf16.h",
-                                        "claims.h", "ops.h")]
+                                        "claims.h", "isa.h", "ops.h")]
 _lock = threading.Lock()
 _loaded = False  # whether a load was attempted (its result, possibly None, is in _ops)
 _ops = None  # torch.ops.tidal_cpu once loaded
@@ -176,8 +178,8 @@ def _reason(message: str) -> str:
 
 
 def _compile_flags() -> tuple[str, list[str]]:
-    """(ISA tag, flags): the widest of AVX512 with BF16, AVX512, AVX2+FMA this CPU has, else the compiler's
-    portable default; on Linux
+    """(ISA tag, flags): the widest of AVX512 with BF16, AVX512, AVX2+FMA this CPU has (AVX2+FMA at most when
+    ``TIDAL_CPU_ISA=avx2`` holds it there, see features.py), else the compiler's portable default; on Linux
     with OpenMP, whose pragma ``at::parallel_for`` needs (without ``-fopenmp`` every kernel's
     ``at::parallel_for`` ran on one thread: its header falls back to a plain call)."""
     try:
@@ -186,6 +188,8 @@ def _compile_flags() -> tuple[str, list[str]]:
         cpu_flags = set()
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else []
     avx512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+    if features.held_to_avx2():
+        cpu_flags = {flag for flag in cpu_flags if not flag.startswith("avx512")}
     if {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= cpu_flags:
         # vec8.h rounds to bf16 with one instruction here instead of eight
         return "avx512bf16", ["-O3", "-mavx2", "-mfma", *avx512, "-mavx512bf16", *openmp]

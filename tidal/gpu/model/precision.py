@@ -58,7 +58,9 @@ def resolve_precision(name: str, device: torch.device, checkpoint_dtype: torch.d
                          f"TIDAL_CPU_GEMV=avx2{_rounding(checkpoint_dtype)}")
     bf16_units = features.cpu_native_bf16()
     if bf16_units is None:
-        why = "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16), float32 is faster"
+        why = ("auto: held to AVX2 by TIDAL_CPU_ISA=avx2, as a CPU without native bf16, float32 is faster"
+               if features.held_to_avx2() else
+               "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16), float32 is faster")
         if checkpoint_dtype != torch.bfloat16:
             return _plain(torch.float32, why)
         if not _avx2_kernel_ready():

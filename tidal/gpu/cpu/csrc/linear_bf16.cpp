@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include "claims.h"
+#include "isa.h"
 #include "ops.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && \
@@ -194,7 +195,7 @@ TIDAL_TARGET void run_blocks(const Problem& p, int64_t begin, int64_t end, int64
 
 bool cpu_has_avx512_bf16() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+  return avx512_allowed() && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl");
 }
 

@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include "claims.h"
+#include "isa.h"
 #include "ops.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -213,7 +214,8 @@ TIDAL_TARGET void run(const Problem& p, int64_t begin, int64_t end) {
 // The instruction set the kernel runs with on this CPU: "avx512", "avx2", or "" (none: unsupported).
 const char* cpu_isa() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+  if (avx512_allowed() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl"))
     return "avx512";
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
   return "";

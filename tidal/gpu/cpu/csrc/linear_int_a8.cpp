@@ -28,6 +28,7 @@
 #include <ATen/ops/zeros.h>
 
 #include "claims.h"
+#include "isa.h"
 #include "ops.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -156,13 +157,11 @@ TIDAL_TARGET inline __m256i dot2(__m256i acc, __m256i u, __m256i s, __m256i v, _
 #undef TIDAL_TARGET
 }  // namespace vnni
 
-// Whether this CPU runs the vnni tiles, decided once. TIDAL_CPU_INT_DOT=avx2 keeps the AVX2 ones (tests compare them).
+// Whether this CPU runs the vnni tiles, decided once (TIDAL_CPU_ISA=avx2 keeps the AVX2 ones: tests compare them).
 bool vnni_tiles() {
   static const bool vnni = [] {
     __builtin_cpu_init();
-    const char* forced = std::getenv("TIDAL_CPU_INT_DOT");
-    if (forced != nullptr && std::string(forced) == "avx2") return false;
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+    return avx512_allowed() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f");
   }();
   return vnni;

@@ -23,6 +23,7 @@
 #include "paged_decode_bf16.h"
 
 #include "claims.h"
+#include "isa.h"
 
 #include <ATen/Parallel.h>
 
@@ -281,7 +282,7 @@ TIDAL_TARGET void attend(const Task& t, const Task* next, const uint16_t* query,
 
 bool cpu_has_avx512_bf16() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+  return avx512_allowed() && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
