@@ -8,6 +8,7 @@ kernels built without AVX-512 flags (kernels.py) and their run-time choices held
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -15,15 +16,18 @@ import torch
 
 log = logging.getLogger(__name__)
 
-ISA_HOLDS = ("avx2",)
-
 
 def held_to_avx2() -> bool:
-    """Whether ``TIDAL_CPU_ISA=avx2`` holds the CPU path to AVX2 (another value is ignored, with a warning)."""
+    """Whether ``TIDAL_CPU_ISA=avx2`` holds the CPU path to AVX2 (another value is ignored, with one warning)."""
     isa = os.environ.get("TIDAL_CPU_ISA", "")
-    if isa and isa not in ISA_HOLDS:
-        log.warning("TIDAL_CPU_ISA=%s ignored: the one hold is %s", isa, " or ".join(ISA_HOLDS))
+    if isa not in ("", "avx2"):
+        _ignored(isa)
     return isa == "avx2"
+
+
+@functools.cache
+def _ignored(isa: str) -> None:
+    log.warning("TIDAL_CPU_ISA=%s ignored: the one value it takes is avx2", isa)
 
 
 def cpu_native_bf16() -> str | None:
