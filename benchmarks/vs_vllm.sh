@@ -15,9 +15,9 @@
 #
 # ISA=avx2 holds oneDNN, MKL and ATen to AVX2 in both servers (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS,
 # ATEN_CPU_CAPABILITY), runs vLLM in float32 (its best setting without native bf16: its bf16 is emulated
-# there) and forces tidal onto the path `--dtype auto` takes on such a CPU for a bf16 checkpoint
-# (TIDAL_CPU_GEMV=avx2 --dtype float32: float32 arithmetic on bf16-stored linear weights). vLLM's own
-# compiled ops keep the build's ISA, as tidal's kernels do, so this approximates, not reproduces, such a host.
+# there) and holds tidal to what it builds and runs on such a CPU (TIDAL_CPU_ISA=avx2: its kernels built
+# without AVX-512, and `--dtype auto` then takes float32 arithmetic on bf16-stored linear weights). vLLM's own
+# compiled ops keep the build's ISA, so this approximates, not reproduces, such a host.
 set -u
 ANCHORS=${ANCHORS:-/tmp/anchors}
 SHARED=${SHARED:-$(cd "$(dirname "$0")/../../shared/anchors" 2>/dev/null && pwd)}
@@ -31,11 +31,11 @@ if [ ! -x "$PY" ] || [ ! -f "$SHARED/side_by_side.py" ]; then
     echo "vs_vllm: needs $PY and side_by_side.py (run ../shared/anchors/bench_vllm_cpu.sh first)" >&2
     exit 2
 fi
-VLLM_DTYPE=bfloat16; TIDAL_ARGS=""; ISA_ENV=(); TIDAL_ENV=()
+VLLM_DTYPE=bfloat16; ISA_ENV=(); TIDAL_ENV=()
 if [ "${ISA:-native}" = avx2 ]; then
-    VLLM_DTYPE=float32; TIDAL_ARGS="--dtype float32"
+    VLLM_DTYPE=float32
     ISA_ENV=(--env ONEDNN_MAX_CPU_ISA=AVX2 --env MKL_ENABLE_INSTRUCTIONS=AVX2 --env ATEN_CPU_CAPABILITY=avx2)
-    TIDAL_ENV=(--env TIDAL_CPU_GEMV=avx2)
+    TIDAL_ENV=(--env TIDAL_CPU_ISA=avx2)
 fi
 host() {
     echo "host: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores, flags: $(grep -o -w -E 'avx2|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')"
@@ -64,7 +64,7 @@ for round in $(seq "$ROUNDS"); do
             --serve "$PY $SHARED/vllm_cli.py serve $ANCHORS/models/$m --host 127.0.0.1 --port 18100 --dtype $VLLM_DTYPE --max-model-len 2048"
         $PY "$SHARED/side_by_side.py" --name tidal --model "$ANCHORS/models/$m" --port 18200 \
             --rows "$rows" --warm "$warm" --out "$OUT" --bench-python "$PY" "${ISA_ENV[@]}" "${TIDAL_ENV[@]}" \
-            --serve "tidal serve --model $ANCHORS/models/$m --served-model-name $ANCHORS/models/$m --host 127.0.0.1 --port 18200 $TIDAL_ARGS"
+            --serve "tidal serve --model $ANCHORS/models/$m --served-model-name $ANCHORS/models/$m --host 127.0.0.1 --port 18200"
         echo "round $round, $m done: $(date -u +%H:%M:%S) UTC, $(bandwidth)"
     done
 done
