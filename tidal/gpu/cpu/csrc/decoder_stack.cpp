@@ -59,6 +59,24 @@ std::optional<at::Tensor> present(const at::Tensor& t) {
   return t.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(t);
 }
 
+// w on int8/int4 weights (packed [.., K], its scales and offsets or an empty tensor), checked once here: with int8
+// activations (activation_bits 8) or on the float/bf16 rows (16).
+void use_int_weights(StackLinear& w, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
+                     int64_t k, int64_t bits, int64_t group_size, int64_t activation_bits) {
+  TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits must be 8 or 16");
+  w.packed = packed;
+  if (activation_bits == 8)
+    w.a8 = a8_linear(packed, scales, present(offsets), w.n, k, bits, group_size, w.bias);
+  else
+    w.weight_only = int_linear(packed, scales, present(offsets), w.n, k, bits, group_size, w.bias);
+}
+
+// y [rows, w.n] = x [rows, k] @ w on float rows, for a w with int weights.
+void run_int_linear(const float* x, int64_t rows, int64_t k, const StackLinear& w, float* y) {
+  if (w.a8.has_value()) linear_int_a8_into(x, rows, *w.a8, y);
+  else linear_int_into(x, rows, k, *w.weight_only, y);
+}
+
 class DecoderStack : public torch::CustomClassHolder {
  public:
   // tensors: kSlotsPerLayer per layer, then kModelSlots; shape: [num_heads, num_kv_heads, head_dim, qkv_n, o_n,
@@ -101,12 +119,7 @@ class DecoderStack : public torch::CustomClassHolder {
       for (int j = 0; j < 4; ++j) {
         const at::Tensor* t = tensors.data() + i * 12 + j * 3;
         const int64_t* param = params.data() + i * 12 + j * 3;  // bits, group_size, activation_bits
-        StackLinear& w = *linears[j];
-        w.packed = t[0];
-        if (param[2] == 8)
-          w.a8 = a8_linear(t[0], t[1], present(t[2]), w.n, input_features(i, j), param[0], param[1], w.bias);
-        else
-          w.weight_only = int_linear(t[0], t[1], present(t[2]), w.n, input_features(i, j), param[0], param[1], w.bias);
+        use_int_weights(*linears[j], t[0], t[1], t[2], input_features(i, j), param[0], param[1], param[2]);
       }
     }
   }
@@ -118,29 +131,20 @@ class DecoderStack : public torch::CustomClassHolder {
   void use_int_lm_head(at::Tensor packed, at::Tensor scales, at::Tensor offsets, std::vector<int64_t> params,
                        at::Tensor bias) {
     TORCH_CHECK(params.size() == 4, "params must be [n, bits, group_size, activation_bits]");
-    const int64_t n = params[0], bits = params[1], group_size = params[2], activation_bits = params[3];
-    TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits must be 8 or 16");
-    const int64_t hidden = embed_.size(1);
-    if (activation_bits == 8)
-      head_a8_ = a8_linear(packed, scales, present(offsets), n, hidden, bits, group_size, present(bias));
-    else
-      head_weight_only_ = int_linear(packed, scales, present(offsets), n, hidden, bits, group_size, present(bias));
+    StackLinear head{packed, params[0], present(bias)};
+    use_int_weights(head, packed, scales, offsets, embed_.size(1), params[1], params[2], params[3]);
+    head_ = std::move(head);
   }
 
   // forward's rows through the LM head: float32 logits [T, vocab] of every row (use_int_lm_head first), the same
   // values as compute_logits(forward(...)).
   at::Tensor logits(at::Tensor input_ids, at::Tensor positions, at::Tensor slot_mapping, at::Tensor tables,
                     at::Tensor lens, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
-    TORCH_CHECK(head_a8_.has_value() || head_weight_only_.has_value(), "the stack has no LM head");
+    TORCH_CHECK(head_.has_value(), "the stack has no LM head");
     at::Tensor hidden = forward(input_ids, positions, slot_mapping, tables, lens, k_caches, v_caches);
     if (hidden.scalar_type() != at::kFloat) hidden = hidden.to(at::kFloat);
-    const int64_t rows = hidden.size(0);
-    const int64_t n = head_a8_.has_value() ? head_a8_->n : head_weight_only_->n;
-    at::Tensor out = at::empty({rows, n}, hidden.options());
-    if (head_a8_.has_value())
-      linear_int_a8_into(hidden.data_ptr<float>(), rows, *head_a8_, out.data_ptr<float>());
-    else
-      linear_int_into(hidden.data_ptr<float>(), rows, hidden.size(1), *head_weight_only_, out.data_ptr<float>());
+    at::Tensor out = at::empty({hidden.size(0), head_->n}, hidden.options());
+    run_int_linear(hidden.data_ptr<float>(), hidden.size(0), hidden.size(1), *head_, out.data_ptr<float>());
     return out;
   }
 
@@ -262,8 +266,7 @@ class DecoderStack : public torch::CustomClassHolder {
     if (w.a8.has_value() || w.weight_only.has_value()) {
       T* y = buffer<T>(out.buffer, rows * w.n);
       if constexpr (std::is_same_v<T, float>) {
-        if (w.a8.has_value()) linear_int_a8_into(x, rows, *w.a8, y);
-        else linear_int_into(x, rows, k, *w.weight_only, y);
+        run_int_linear(x, rows, k, w, y);
       } else {
         // bf16 activations (an AVX512-BF16 host's default): the kernels' float32 sums, rounded here as
         // linear_int's tensor path rounds them, without its tensors and conversion ops (at one row of the tiny
@@ -313,8 +316,7 @@ class DecoderStack : public torch::CustomClassHolder {
   at::Tensor residual_, zeros_, cos_, sin_, normed_, attended_, activated_;  // buffer(): reused by every forward
   at::Tensor x32_, y32_;  // a bf16 stack's int linears' float input (int8 activations) and float output
   LinearOut qkv_, o_, gate_up_, down_;
-  std::optional<A8Linear> head_a8_;            // the LM head (use_int_lm_head), with int8 activations
-  std::optional<IntLinear> head_weight_only_;  // or on the float rows
+  std::optional<StackLinear> head_;  // the LM head on int weights (use_int_lm_head), or none
   bool avx2_;
   double eps_, scale_;
   int64_t num_heads_ = 0, num_kv_heads_ = 0, head_dim_ = 0;
