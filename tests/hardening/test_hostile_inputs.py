@@ -48,6 +48,30 @@ HOSTILE = {
 }
 
 
+def _call_with_function(function) -> list[dict]:
+    """An earlier assistant turn whose tool call's ``function`` is ``function`` (an object in the API)."""
+    return [*HELLO, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": function}]},
+            {"role": "tool", "tool_call_id": "c", "content": "1"}]
+
+
+# a tool call's function that is not an object was a 500 from the template's tool-call builder
+for _name, _function in {"5": 5, "string": "ab", "list": [1, 2]}.items():
+    for _stream in (False, True):
+        HOSTILE[f"tool-call-function-{_name}{'-stream' if _stream else ''}"] = (
+            "/v1/chat/completions", "chat.completions",
+            {"messages": _call_with_function(_function), "stream": _stream})
+
+
+@pytest.mark.parametrize("function", [5, "ab", [1, 2]], ids=["5", "string", "list"])
+def test_tokenize_with_a_tool_call_function_not_an_object_is_a_400(server, function):
+    with Http1Connection(server.port) as conn:
+        status, headers, answer = conn.request("POST", "/tokenize", json.dumps(
+            {"messages": _call_with_function(function)}).encode())
+        assert_openai_error(status, headers, answer, 400)
+        assert json.loads(answer)["error"]["param"] == "messages[1].tool_calls[0].function"
+    assert server.process.poll() is None
+
+
 @pytest.mark.parametrize("path, body", [(p, b) for p, _, b in HOSTILE.values()], ids=list(HOSTILE))
 def test_hostile_field_is_a_400_and_the_server_serves_on(server, path, body):
     with Http1Connection(server.port) as conn:

@@ -35,11 +35,25 @@ class TextPart(msgspec.Struct):
     text: str | None = None
 
 
+class ToolCallFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] | None = None  # JSON text (OpenAI); an object is accepted as is
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """An earlier assistant turn's call: typed, so a ``function`` that is not an object is a 400 at
+    the decode, naming the field, never a surprise for the template."""
+
+    id: str | None = None
+    type: str = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
@@ -292,18 +306,20 @@ def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return kwargs
 
 
-def _template_tool_call(call: dict[str, Any], param: str) -> dict[str, Any]:
+def _template_tool_call(call: ToolCall, param: str) -> dict[str, Any]:
     """An earlier assistant tool call as chat templates expect it: arguments as an object."""
-    function = dict(call.get("function") or {})
-    arguments = function.get("arguments")
+    arguments: Any = call.function.arguments
     if isinstance(arguments, str):
         try:
-            function["arguments"] = json_depth.loads(arguments, f"{param}.function.arguments")
+            arguments = json_depth.loads(arguments, f"{param}.function.arguments")
         except json_depth.TooDeep as exc:
             raise bad_request(str(exc), param) from None
         except ValueError:
             pass  # leave it as text; the template decides
-    return {**call, "function": function}
+    entry: dict[str, Any] = {"type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+    if call.id is not None:
+        entry["id"] = call.id
+    return entry
 
 
 def completion_prompt(request: CompletionRequest) -> str | list[int]:
