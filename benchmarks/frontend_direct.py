@@ -29,7 +29,7 @@ from h11._writers import ChunkedWriter
 
 from tidal.http.fast_send import BodyWriter
 from tidal.openai.encoding import ChunkEncoder
-from tidal.openai.streaming import OutputReader, SseBody
+from tidal.service.stream import OutputReader, SseBody
 from tidal.wire import (
     HEADER_SIZE,
     EngineStats,

@@ -19,7 +19,7 @@ import trio
 from frontend_rig import open_streams
 
 from tidal.openai.encoding import ChunkEncoder
-from tidal.openai.streaming import OutputReader, SseBody
+from tidal.service.stream import OutputReader, SseBody
 from tidal.wire import (
     HEADER_SIZE,
     EngineStats,

@@ -7,8 +7,8 @@ import math
 
 from tidal.config import ServerConfig
 from tidal.engines.client import EngineClient
-from tidal.frontend import Frontend
-from tidal.metrics import Metrics
+from tidal.registry.frontend import Frontend
+from tidal.observe.metrics import Metrics
 from tidal.wire import (
     EngineConfig,
     EngineStats,

@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from tidal.metrics import Metrics
+from tidal.observe.metrics import Metrics
 from tidal.wire import EngineStats
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana-tidal.json"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tidal.metrics import Metrics
+from tidal.observe.metrics import Metrics
 from tidal.wire import EngineStats
 
 

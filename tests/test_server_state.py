@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import trio
 
-from tidal.metrics import Metrics
-from tidal.server_state import ServerState
+from tidal.observe.metrics import Metrics
+from tidal.observe.server_state import ServerState
 from tidal.wire import EngineStats
 
 

@@ -1,11 +1,11 @@
-"""A request's timeline (tidal/timeline.py): its hops are contiguous and add up to its duration,
+"""A request's timeline (tidal/observe/timeline.py): its hops are contiguous and add up to its duration,
 whichever stamps it reached; and the engine stamps its way to the first token once, in order."""
 
 from __future__ import annotations
 
 import pytest
 
-from tidal.timeline import HOP_NAMES, HOPS, Timeline
+from tidal.observe.timeline import HOP_NAMES, HOPS, Timeline
 from tidal.wire import EngineTiming
 
 

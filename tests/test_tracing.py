@@ -28,7 +28,7 @@ from live_server import LiveServer, free_port
 pytest.importorskip("opentelemetry.proto")
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
 
-from tidal.timeline import HOP_NAMES  # noqa: E402
+from tidal.observe.timeline import HOP_NAMES  # noqa: E402
 
 STEP = 0.005
 

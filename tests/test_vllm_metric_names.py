@@ -39,7 +39,7 @@ def test_vllm_named_gauges_equal_tidals_while_requests_run():
 
 def test_without_the_flag_no_vllm_names(tmp_path):
     # the default server of the api tests is not at hand here: a Metrics render is the same code
-    from tidal.metrics import Metrics
+    from tidal.observe.metrics import Metrics
     from tidal.wire import EngineStats
 
     text = Metrics("m").render(EngineStats(num_total_blocks=4), 0).decode()

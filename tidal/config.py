@@ -34,7 +34,7 @@ class ServerConfig:
     engine_restarts: int | None = None  # restarts in a row of a dead replica; None: 5 if several, else 0
     log_level: str = "info"
     tool_call_parser: str | None = None  # the model's tool-call format, parsed under tool_choice "auto"
-    reasoning_parser: str | None = None  # the model's thinking format (tidal/openai/reasoning.py)
+    reasoning_parser: str | None = None  # the model's thinking format (tidal/service/reasoning.py)
     ui: bool = True  # the chat page at / (docs/ui.md)
     # origins whose pages may open /v1/ws besides this server's own ("*": any); docs/admission.md
     allowed_origins: tuple[str, ...] = ()

@@ -30,19 +30,19 @@ import hypercorn.trio
 import trio
 from prometheus_client import Counter, Gauge
 
-from tidal.openai.service import Api
+from tidal.service.api import Api
 from tidal.http.routes import create_app
 from tidal.http import connections, fast_send
 from tidal.config import ServerConfig
 from tidal.engines.client import EngineClient, EngineDead, channel_capacity
 from tidal.http.completion_route import completion_routes
 from tidal.http.websocket_gate import websocket_gate
-from tidal.frontend import Frontend, request_scope_middleware
-from tidal.trace_recorder import TraceRecorder
-from tidal.metrics import Metrics
+from tidal.registry.frontend import Frontend, request_scope_middleware
+from tidal.observe.trace_recorder import TraceRecorder
+from tidal.observe.metrics import Metrics
 from tidal.engines.replicas import ReplicaSet, replica_config
 from tidal.engines.router import Router
-from tidal.server_state import ServerState
+from tidal.observe.server_state import ServerState
 from tidal.tokenizer import PromptTokenizer
 from tidal.ui import register_state, register_ui
 
@@ -128,11 +128,11 @@ class Server:
             nursery.cancel_scope.cancel()
 
     def _span_export(self):
-        """The OTLP span exporter (tidal/otel.py) with --otlp-traces-endpoint, else None (nothing imported)."""
+        """The OTLP span exporter (tidal/observe/otel.py) with --otlp-traces-endpoint, else None (nothing imported)."""
         endpoint = self.config.otlp_traces_endpoint
         if endpoint is None:
             return None
-        from tidal.otel import SpanExport  # the opentelemetry SDK: only when tracing is on
+        from tidal.observe.otel import SpanExport  # the opentelemetry SDK: only when tracing is on
 
         log.info("tracing: one span per request to %s (OTLP/HTTP)", endpoint)
         return SpanExport(endpoint, self.metrics.model_name, self.metrics.trace_spans_dropped_m.inc)

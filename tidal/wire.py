@@ -16,7 +16,7 @@ engine process (the frontend, or a headless node's tensor-parallel ranks) gives 
 
 Stamps (``received_at``, ``sent_at``, ``EngineTiming``) are ``time.monotonic()`` readings: one
 clock for both processes of a host (CLOCK_MONOTONIC on Linux), so the frontend can lay the
-engine's stamps on a request's timeline (tidal/timeline.py) next to its own.
+engine's stamps on a request's timeline (tidal/observe/timeline.py) next to its own.
 """
 
 from __future__ import annotations

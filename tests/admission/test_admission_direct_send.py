@@ -23,10 +23,10 @@ from engines.single_engine import SingleEngine
 from tidal.config import ServerConfig
 from tidal.engines.client import EngineClient
 from tidal.http.fast_send import BodyWriter
-from tidal.frontend import Frontend
-from tidal.metrics import Metrics
+from tidal.registry.frontend import Frontend
+from tidal.observe.metrics import Metrics
 from tidal.openai.encoding import ChunkEncoder, sse
-from tidal.openai.streaming import OutputReader, SseBody
+from tidal.service.stream import OutputReader, SseBody
 from tidal.wire import EngineConfig, EngineStats, RequestOutput, SamplingParams, StepReport
 
 

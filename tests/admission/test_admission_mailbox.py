@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from tidal.mailbox import Mailbox
+from tidal.registry.mailbox import Mailbox
 from tidal.wire import RequestOutput
 
 

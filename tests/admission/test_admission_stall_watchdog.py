@@ -12,9 +12,9 @@ import trio
 import trio.testing
 
 from tidal.config import ServerConfig
-from tidal.frontend import Frontend
-from tidal.lifecycle import RequestState
-from tidal.metrics import Metrics
+from tidal.registry.frontend import Frontend
+from tidal.registry.lifecycle import RequestState
+from tidal.observe.metrics import Metrics
 from tidal.errors import ApiError
 from tidal.wire import EngineConfig, EngineStats, RequestOutput, SamplingParams, StepReport
 

@@ -22,7 +22,7 @@ import pytest
 from api.support import assert_openai_error
 
 from tidal.openai.requests import MAX_N
-from tidal.openai.tool_calls import MAX_PARALLEL_TOOL_CALLS
+from tidal.service.tool_calls import MAX_PARALLEL_TOOL_CALLS
 
 # this module's server; conftest.py starts it alongside the other modules' servers
 SERVER_ARGS = ("--model", "tidal-test", "--num-kv-blocks", "512")

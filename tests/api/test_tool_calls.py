@@ -1,4 +1,4 @@
-"""Tool-call formats (tidal.openai.tool_calls): parsing each model family's output, whole and streamed,
+"""Tool-call formats (tidal.service.tool_calls): parsing each model family's output, whole and streamed,
 the schemas forced calls are generated under, and tools reaching the chat template."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from tidal.gpu.model import tiny_model
-from tidal.openai.tool_calls import ToolCallStream, parse_forced, parse_model_output, required_schema
+from tidal.service.tool_calls import ToolCallStream, parse_forced, parse_model_output, required_schema
 
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                  "required": ["city"]}}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.openai.reasoning import ReasoningSplitter, prompt_state, thinks_first
+from tidal.service.reasoning import ReasoningSplitter, prompt_state, thinks_first
 
 CASES = [
     # (parser, prompt state, answer, reasoning, content)

@@ -1,6 +1,6 @@
 """The frontend's request state table and ``Frontend.close``, without a server.
 
-The table (tidal/lifecycle.py) is what makes an abort idempotent: a request ends exactly
+The table (tidal/registry/lifecycle.py) is what makes an abort idempotent: a request ends exactly
 once, and every later ``close``/``abort`` sees a final state and does nothing. ``close``
 is called from already-cancelled code (a disconnected handler's cleanup), so it must get
 the abort to the engine without awaiting anything.
@@ -16,17 +16,17 @@ import trio
 from engines.single_engine import SingleEngine
 from tidal.config import ServerConfig
 from tidal.engines.client import EngineClient
-from tidal.frontend import Frontend
-from tidal.lifecycle import ActiveRequest, IllegalTransition, RequestState
-from tidal.mailbox import Mailbox
-from tidal.metrics import Metrics
+from tidal.registry.frontend import Frontend
+from tidal.registry.lifecycle import ActiveRequest, IllegalTransition, RequestState
+from tidal.registry.mailbox import Mailbox
+from tidal.observe.metrics import Metrics
 from tidal.errors import ApiError
 from tidal.wire import (HEADER_SIZE, AbortRequests, AddRequest, EngineConfig, EngineStats, RequestOutput,
                         SamplingParams, StepReport, decode_to_engine)
 
 Q, RUN, FIN, ABT, REJ = (RequestState.QUEUED, RequestState.RUNNING, RequestState.FINISHED, RequestState.ABORTED,
                          RequestState.REJECTED)
-# The documented lifecycle (tidal/lifecycle.py); every other move is a bug in the caller.
+# The documented lifecycle (tidal/registry/lifecycle.py); every other move is a bug in the caller.
 LEGAL = {(Q, RUN), (Q, FIN), (Q, ABT), (Q, REJ), (RUN, FIN), (RUN, ABT)}
 
 

@@ -3,7 +3,7 @@
 - Every number a request type holds is bounded in the type itself (msgspec ``Meta``), within
   what the wire and the engine hold; anything ``validate`` accepts encodes and decodes on the
   engine's side (before the fix, ``top_k: 2**64`` passed and killed the engine client's writer).
-- Nested data is depth-bounded by one reader (tidal/openai/json_depth.py): JSON in strings,
+- Nested data is depth-bounded by one reader (tidal/service/json_depth.py): JSON in strings,
   tool arguments, schemas, and model output parsed as a tool call.
 - Logprobs count toward the per-stream buffer bound.
 """
@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from tidal.errors import ApiError
 from tidal.http.routes import REQUEST_BODIES
-from tidal.mailbox import Mailbox
-from tidal.openai import json_depth
+from tidal.registry.mailbox import Mailbox
+from tidal.service import json_depth
 from tidal.openai.requests import parse_body, validate
-from tidal.openai.tool_calls import ToolCallStream
+from tidal.service.tool_calls import ToolCallStream
 from tidal.wire import HEADER_SIZE, AddRequest, Logprobs, RequestOutput, decode_to_engine, encode_frame
 
 from .bodies import chat_bodies, completion_bodies

@@ -6,7 +6,7 @@ their order: ``message_start``; per block ``content_block_start``, ``content_blo
 (``thinking_delta``, ``text_delta``, ``input_json_delta``), ``content_block_stop``; then
 ``message_delta`` (stop reason, output tokens) and ``message_stop``. Errors are Anthropic's
 shape (tidal/anthropic/errors.py). A disconnect closes the request as for chat (the handler's RequestScope,
-tidal/frontend.py).
+tidal/registry/frontend.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from tidal.anthropic import errors
 from tidal.anthropic import messages as shapes
 from tidal.errors import ApiError
 from tidal.openai.requests import decode_struct
-from tidal.openai.service import Answer, Api, json_answer
-from tidal.openai.streaming import OutputReader
+from tidal.service.api import Answer, Api, json_answer
+from tidal.service.stream import OutputReader
 
 _json_encode = msgspec.json.encode
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -11,7 +11,7 @@ from quart import Response
 
 from tidal.anthropic.service import MessagesService
 from tidal.errors import ApiError
-from tidal.openai.service import Api, error_answer, json_answer
+from tidal.service.api import Api, error_answer, json_answer
 from tidal.openai.response_store import ResponseStore
 from tidal.openai.responses_service import ResponsesService
 from tidal.anthropic.messages import MessagesRequest

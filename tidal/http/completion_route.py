@@ -23,8 +23,8 @@ import math
 
 import trio
 
-from tidal.frontend import RequestScope, current_request_scope
-from tidal.openai.service import Answer, Api, error_answer
+from tidal.registry.frontend import RequestScope, current_request_scope
+from tidal.service.api import Answer, Api, error_answer
 from tidal.errors import ApiError
 
 log = logging.getLogger("tidal.http.routes")

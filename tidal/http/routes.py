@@ -1,6 +1,6 @@
 """HTTP routes (quart-trio): the OpenAI endpoints, models, health and metrics, and the error handlers.
 
-The handler decides the HTTP status before the first byte: the service (tidal/openai/service.py)
+The handler decides the HTTP status before the first byte: the service (tidal/service/api.py)
 waits for the request's first output (or for the error that ends it) and only then is the 200
 streaming response returned. Everything that can fail before that is a real status with OpenAI's
 error JSON. The hot completion routes usually never reach quart (tidal/http/completion_route.py).
@@ -17,7 +17,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from tidal.errors import ApiError
-from tidal.frontend import SHUTTING_DOWN
+from tidal.registry.frontend import SHUTTING_DOWN
 from tidal.anthropic import errors as anthropic_errors
 from tidal.http.agent_routes import AUTHORIZED_PATHS, is_anthropic_path, register_agent_routes
 from tidal.http.agent_routes import REQUEST_BODIES as AGENT_REQUEST_BODIES
@@ -25,7 +25,7 @@ from tidal.http.auth import auth_error, authorization
 from tidal.http.openapi import app_routes, openapi_document
 from tidal.http.websocket import register_websocket
 from tidal.openai.requests import ChatCompletionRequest, CompletionRequest
-from tidal.openai.service import Api, error_answer, json_answer
+from tidal.service.api import Api, error_answer, json_answer
 
 log = logging.getLogger("tidal.http.routes")
 

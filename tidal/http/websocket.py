@@ -2,9 +2,9 @@
 
 One connection is one nursery (quart-trio cancels it when the socket closes); each request
 on it is a task with its own cancel scope, so a ``cancel`` message or a closed socket ends
-exactly the requests it should, and each request's own RequestScope (tidal/frontend.py) aborts
+exactly the requests it should, and each request's own RequestScope (tidal/registry/frontend.py) aborts
 it in the engine. Requests run through the same ``Api.admit`` -> ``Api.first_output`` ->
-``OutputReader`` path as SSE (tidal/openai/service.py), so admission, queue timeouts and the
+``OutputReader`` path as SSE (tidal/service/api.py), so admission, queue timeouts and the
 slow-client bounds apply unchanged. Protocol: docs/websocket.md. Registered by ``routes.create_app``.
 """
 
@@ -21,12 +21,12 @@ from msgspec import Meta
 from quart import websocket
 
 from tidal.errors import NESTED_TOO_DEEPLY, ApiError, bad_request, internal_error
-from tidal.frontend import open_request_scope
+from tidal.registry.frontend import open_request_scope
 from tidal.http import auth
 from tidal.http.websocket_gate import WS_PATH
 from tidal.openai.encoding import ChunkEncoder
-from tidal.openai.service import Api
-from tidal.timeline import Timeline
+from tidal.service.api import Api
+from tidal.observe.timeline import Timeline
 
 log = logging.getLogger("tidal.http.websocket")
 

@@ -18,9 +18,9 @@ import trio
 
 from tidal.errors import ApiError
 from tidal.http.fast_send import BodyWriter
-from tidal.mailbox import Mailbox
+from tidal.registry.mailbox import Mailbox
 from tidal.openai.encoding import SSE_DONE, ChunkEncoder, sse, usage
-from tidal.openai.streaming import OutputReader, SseBody, collect
+from tidal.service.stream import OutputReader, SseBody, collect
 
 
 def _usage(readers: list[OutputReader]) -> dict[str, Any]:

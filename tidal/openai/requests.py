@@ -14,8 +14,8 @@ import msgspec
 from msgspec import Meta
 
 from tidal.errors import NESTED_TOO_DEEPLY, bad_request
-from tidal.openai import json_depth
-from tidal.openai.tool_calls import named_schema, required_schema
+from tidal.service import json_depth
+from tidal.service.tool_calls import named_schema, required_schema
 from tidal.wire import INT32_MAX, SamplingParams, StructuredOutput
 
 _json_encode = msgspec.json.encode
@@ -206,7 +206,7 @@ def decode_struct(body: bytes | dict, struct: type | msgspec.json.Decoder) -> An
     one); a 400 naming the offending field otherwise. Every route's body goes through here.
 
     Everything nested in it (tool parameters, schemas, earlier tool calls) is depth-bounded here,
-    before any recursive code sees it (tidal/openai/json_depth.py); a number out of its bounds is
+    before any recursive code sees it (tidal/service/json_depth.py); a number out of its bounds is
     answered with the bound's own description.
     """
     request_type = struct.type if isinstance(struct, msgspec.json.Decoder) else struct
@@ -400,7 +400,7 @@ def structured_output(r: ChatCompletionRequest | CompletionRequest) -> tuple[Str
 
     A constraint its grammar engine rejects (an unsupported schema keyword, a bad regex) is
     refused by the engine before the request is scheduled, also with a 400 (see ``Api.first_output`` in
-    tidal/openai/service.py).
+    tidal/service/api.py).
     """
     found: list[tuple[StructuredOutput, str]] = []
     fmt = r.response_format

@@ -5,7 +5,7 @@ turn, the stored conversation of ``previous_response_id`` next, then the ``input
 messages (``function_call`` items an assistant turn's tool calls, ``function_call_output`` items
 tool turns); function tools, ``tool_choice``, ``text.format`` and the sampling fields map to
 their chat twins. So it is admitted, bounded, constrained and cancelled as every chat request
-is (tidal/openai/service.py); this module only translates, and builds the answer's output items.
+is (tidal/service/api.py); this module only translates, and builds the answer's output items.
 """
 
 from __future__ import annotations

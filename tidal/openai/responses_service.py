@@ -6,7 +6,7 @@ parser, tool calls read at the end) and turns its deltas into output items: a ``
 a ``message`` item, then one ``function_call`` item per call. A stream sends OpenAI's typed SSE
 events in their order (``response.created``, ``response.in_progress``, per item
 ``response.output_item.added`` ... ``response.output_item.done``, ``response.completed`` with
-usage). A disconnect cancels the handler; its request scope (tidal/frontend.py) closes the
+usage). A disconnect cancels the handler; its request scope (tidal/registry/frontend.py) closes the
 request, which frees its KV as for chat.
 """
 
@@ -20,8 +20,8 @@ from tidal.errors import ApiError
 from tidal.openai import responses as shapes
 from tidal.openai.requests import decode_struct
 from tidal.openai.response_store import ResponseStore
-from tidal.openai.service import Answer, Api, error_answer, json_answer
-from tidal.openai.streaming import OutputReader
+from tidal.service.api import Answer, Api, error_answer, json_answer
+from tidal.service.stream import OutputReader
 
 _json_encode = msgspec.json.encode
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -13,7 +13,7 @@ import math
 import re
 from collections import defaultdict
 
-from tidal.timeline import ENGINE_HOPS, HOP_NAMES
+from tidal.observe.timeline import ENGINE_HOPS, HOP_NAMES
 
 _LINE = re.compile(r'^tidal:request_hop_seconds_(bucket|sum|count)\{([^}]*)\}\s+(\S+)$')
 _LABEL = re.compile(r'(\w+)="([^"]*)"')

@@ -13,7 +13,7 @@ import msgspec
 from quart import Response
 from werkzeug.exceptions import NotFound
 
-from tidal.server_state import ServerState
+from tidal.observe.server_state import ServerState
 
 _STATIC = Path(__file__).resolve().parent
 _FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css",

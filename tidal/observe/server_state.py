@@ -12,7 +12,7 @@ from collections import deque
 
 import trio
 
-from tidal.metrics import ABORT_REASONS, REJECT_REASONS, Metrics
+from tidal.observe.metrics import ABORT_REASONS, REJECT_REASONS, Metrics
 
 WINDOW_SECONDS = 60.0
 SAMPLE_INTERVAL = 1.0

@@ -7,7 +7,7 @@ a no-op then). Whatever the engine produced while the client was still writing t
 frame is sent as one frame: one socket send for many tokens. A stream that has caught up has
 its frames sent by the engine reader task instead (``SseBody._offer``): no wake-up per token.
 A body holds nothing to release: a request not over when its body ends (the client went away)
-is closed by the handler's RequestScope (tidal/frontend.py).
+is closed by the handler's RequestScope (tidal/registry/frontend.py).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any
 import trio
 
 from tidal.http.fast_send import BodyWriter
-from tidal.frontend import Frontend
-from tidal.lifecycle import ActiveRequest
+from tidal.registry.frontend import Frontend
+from tidal.registry.lifecycle import ActiveRequest
 from tidal.openai.encoding import SSE_DONE, ChunkEncoder, sse, usage
 from tidal.errors import ApiError, bad_request, internal_error
-from tidal.openai.reasoning import ReasoningSplitter
+from tidal.service.reasoning import ReasoningSplitter
 from tidal.openai.token_logprobs import LogprobsFormatter
-from tidal.openai.tool_calls import ToolCallStream
+from tidal.service.tool_calls import ToolCallStream
 from tidal.wire import Logprobs, RequestOutput
 
 log = logging.getLogger("tidal.openai.streaming")

@@ -22,8 +22,8 @@ from typing import Any
 
 import trio
 
-from tidal.mailbox import Mailbox
-from tidal.timeline import Timeline
+from tidal.registry.mailbox import Mailbox
+from tidal.observe.timeline import Timeline
 from tidal.wire import SamplingParams
 
 
@@ -67,7 +67,7 @@ class ActiveRequest:
     last_output_time: float | None = None
     # the scope that enforces --max-queue-wait while the request is queued
     queue_scope: trio.CancelScope | None = field(default=None, repr=False)
-    # its clock from first byte to last frame, every hop stamped (tidal/timeline.py); the one owner
+    # its clock from first byte to last frame, every hop stamped (tidal/observe/timeline.py); the one owner
     timeline: Timeline = field(default_factory=lambda: Timeline(0.0), repr=False)
     num_output_tokens: int = 0  # received from the engine
     finish_reason: str | None = None  # the engine's, once it finished the request

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.errors import ApiError
-from tidal.openai import json_depth
+from tidal.service import json_depth
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 # Calls in one "required" answer (a finite language: a random-weight model must still finish)

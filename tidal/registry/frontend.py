@@ -6,7 +6,7 @@ reports to each request's lifecycle and mailbox; ``first_output`` waits for the 
 schedule it and produce something, under ``--max-queue-wait``.
 
 Every ending goes through ``_end``, the only code that moves a request to a final state
-(``tidal/lifecycle.py`` holds the table): FINISHED when the engine's final output arrives,
+(``tidal/registry/lifecycle.py`` holds the table): FINISHED when the engine's final output arrives,
 ABORTED or REJECTED when the frontend ends it (then it tells the engine to forget it). It
 leaves the reader its last word in the mailbox: the final output, one with finish_reason
 "abort", or an ``ApiError``. Readers never see engine or shutdown exceptions.
@@ -37,11 +37,11 @@ from tidal.config import ServerConfig
 from tidal.engines.client import EngineClient
 from tidal.http import fast_send
 from tidal.engines.replicas import ReplicaSet
-from tidal.lifecycle import ActiveRequest, RequestState, RequestTable
-from tidal.mailbox import Mailbox
-from tidal.metrics import Metrics
-from tidal.timeline import Timeline
-from tidal.trace_recorder import TraceRecorder
+from tidal.registry.lifecycle import ActiveRequest, RequestState, RequestTable
+from tidal.registry.mailbox import Mailbox
+from tidal.observe.metrics import Metrics
+from tidal.observe.timeline import Timeline
+from tidal.observe.trace_recorder import TraceRecorder
 from tidal.errors import ApiError
 from tidal.wire import AddRequest, RequestOutput, SamplingParams, StepReport
 

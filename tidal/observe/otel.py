@@ -1,5 +1,5 @@
 """Request spans over OTLP/HTTP (``--otlp-traces-endpoint``, vLLM's flag): one span per request, a
-child span per hop of its timeline (tidal/timeline.py).
+child span per hop of its timeline (tidal/observe/timeline.py).
 
 Imported only when tracing is on, so tracing off costs nothing (not even the SDK's import).
 ``TraceRecorder.finish`` calls ``export`` once per request on the event loop: it builds the spans
@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from tidal.lifecycle import ActiveRequest, RequestState
+from tidal.registry.lifecycle import ActiveRequest, RequestState
 
 MAX_QUEUED_SPANS = 8192  # spans waiting for the export thread; past it whole requests are dropped
 EXPORT_BATCH = 512

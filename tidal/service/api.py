@@ -16,18 +16,18 @@ from typing import Any
 import msgspec
 
 from tidal.errors import ApiError, bad_request, internal_error
-from tidal.frontend import Frontend
+from tidal.registry.frontend import Frontend
 from tidal.http import fast_send
-from tidal.lifecycle import ActiveRequest
+from tidal.registry.lifecycle import ActiveRequest
 from tidal.openai.choices import ChoicesSseBody, collect_choices
 from tidal.openai.encoding import ChunkEncoder
 from tidal.openai.requests import (MAX_N, Validated, chat_messages, completion_prompt, fit_max_tokens, parse_body,
                                    template_kwargs, validate)
-from tidal.openai.reasoning import THINK_END, ReasoningSplitter, prompt_state
-from tidal.openai.streaming import OutputReader, SseBody, collect
+from tidal.service.reasoning import THINK_END, ReasoningSplitter, prompt_state
+from tidal.service.stream import OutputReader, SseBody, collect
 from tidal.openai.token_logprobs import LogprobsFormatter, TokenTexts
-from tidal.openai.tool_calls import ToolCallStream
-from tidal.timeline import Timeline
+from tidal.service.tool_calls import ToolCallStream
+from tidal.observe.timeline import Timeline
 from tidal.tokenizer import PromptTokenizer
 
 PROMPT_TAIL_TOKENS = 32  # the prompt's end that says whether a template opened or closed the thinking
@@ -81,7 +81,7 @@ class Api:
                     timeline: Timeline | None = None) -> tuple[ActiveRequest, Validated]:
         """Parse, validate, tokenise and admit. Raises ApiError.
 
-        Once this returns, the caller holds an open request; its RequestScope (tidal/frontend.py)
+        Once this returns, the caller holds an open request; its RequestScope (tidal/registry/frontend.py)
         ends it if it is not over when the handler is done.
         ``timeline``: the request's clock, started at its first byte (now if None).
         """

@@ -2,7 +2,7 @@
 
 ``Frontend.close`` (every admitted request passes it, however it ends) calls ``finish`` once per
 request; frames written call ``first_frame`` / the ``observe_gap`` of their timeline. With
-``--otlp-traces-endpoint`` the span export (tidal/otel.py) runs on the OpenTelemetry SDK's batch
+``--otlp-traces-endpoint`` the span export (tidal/observe/otel.py) runs on the OpenTelemetry SDK's batch
 thread: ``finish`` only hands it the finished timeline.
 """
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Protocol
 
-from tidal.lifecycle import ActiveRequest, RequestState
-from tidal.metrics import Metrics
+from tidal.registry.lifecycle import ActiveRequest, RequestState
+from tidal.observe.metrics import Metrics
 
 if TYPE_CHECKING:
-    from tidal.timeline import Timeline
+    from tidal.observe.timeline import Timeline
 
 
 class SpanExporter(Protocol):

@@ -1,0 +1,1 @@
+"""The request registry: admission, each request's state table and mailbox, every ending."""
