@@ -37,7 +37,8 @@ from tidal.config import ServerConfig
 from tidal.engines.client import EngineClient, EngineDead, channel_capacity
 from tidal.http.completion_route import completion_routes
 from tidal.http.websocket_gate import websocket_gate
-from tidal.registry.frontend import Frontend, request_scope_middleware
+from tidal.registry.frontend import Frontend
+from tidal.http.request_scope import request_scope_middleware
 from tidal.observe.trace_recorder import TraceRecorder
 from tidal.observe.metrics import Metrics
 from tidal.engines.replicas import ReplicaSet, replica_config

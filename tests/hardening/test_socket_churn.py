@@ -4,7 +4,7 @@ Before the fix the server held every such socket in CLOSE-WAIT, with its fd, for
 keep-alive timeout (75 s): 2000 short connections left ~1500 sockets held, so a few hundred
 new connections a second would run the process out of file descriptors. The churn below
 mixes the kinds of requests clients make, including answers given before the body was read
-(the bug ``frontend._shield_final_send`` fixed must stay fixed: see test_api_errors.py).
+(the bug ``http/request_scope._shield_final_send`` fixed must stay fixed: see test_api_errors.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ timer as soon as reading ends: the connection then closes as soon as its last re
 
 (A bare quart-trio app does not show this only by accident: its request task is cancelled while
 hypercorn arms the timer, so the timer is never armed and idle connections are never closed at
-all. tidal shields a response's final send (``frontend._shield_final_send``, needed so that an
+all. tidal shields a response's final send (``http/request_scope._shield_final_send``, needed so that an
 early 401/404/413 closes the connection properly), which arms the timer as hypercorn intends.)
 
 **One keep-alive timer task per connection.** hypercorn's timer (``TrioSingleTask``) is a new

@@ -13,7 +13,7 @@ leaves the reader its last word in the mailbox: the final output, one with finis
 
 A handler never ends a request itself. Every HTTP request and WebSocket connection (and each
 request multiplexed on one) runs inside a ``RequestScope`` (``open_request_scope``; the ASGI
-wrapper ``request_scope_middleware``) whose ``RequestScope.close`` is the one place ``close`` is
+wrapper ``http/request_scope.py``) whose ``RequestScope.close`` is the one place ``close`` is
 called: at the scope's exit it aborts every request opened in the scope that is not over yet, so no
 request outlives the task that opened it, even if the handler is cancelled before its response body
 ever starts. The completion routes call it as soon as the client's disconnect arrives, before the
@@ -29,13 +29,12 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import trio
 
 from tidal.config import ServerConfig
 from tidal.engines.client import EngineClient
-from tidal.http import fast_send
 from tidal.engines.replicas import ReplicaSet
 from tidal.registry.lifecycle import ActiveRequest, RequestState, RequestTable
 from tidal.registry.mailbox import Mailbox
@@ -110,41 +109,6 @@ def open_request_scope(frontend: Frontend) -> Iterator[RequestScope]:
     finally:
         _scope.reset(token)
         requests.close()
-
-
-def request_scope_middleware(app, frontend_getter: Callable[[], Frontend]):
-    """ASGI wrapper: every HTTP request / WebSocket connection is one scope of requests."""
-
-    async def asgi(scope, receive, send):
-        if scope["type"] not in ("http", "websocket"):
-            return await app(scope, receive, send)
-        # the request's clock starts at its first byte (hypercorn's read of it), else now
-        scope["tidal.received"] = fast_send.first_byte_time(scope) or time.monotonic()
-        if scope["type"] == "http":
-            send = _shield_final_send(send)
-        with open_request_scope(frontend_getter()):
-            await app(scope, receive, send)
-
-    return asgi
-
-
-def _shield_final_send(send):
-    """Send a response's last message shielded from cancellation.
-
-    When a response is answered before its request body was read (401, 404, 405, 413),
-    hypercorn closes the connection from inside this send; quart-trio cancels the task as
-    soon as its body reader sees the disconnect, which interrupted that close half-way and
-    left the connection open and silent: the client's next request on it hung forever.
-    (hypercorn already shields the socket write itself, so this adds no new blocking.)
-    """
-
-    async def shielded(message):
-        if message["type"] == "http.response.body" and not message.get("more_body", False):
-            with trio.CancelScope(shield=True):
-                return await send(message)
-        return await send(message)
-
-    return shielded
 
 
 # ------------------------------------------------------------------ the registry
