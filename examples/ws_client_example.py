@@ -9,7 +9,9 @@ import argparse
 import httpx
 import trio
 
-from tidal.tools.ws_client import TidalWSError, open_tidal_ws
+import sys
+
+from tidal.tools.ws_client import TidalWSConnectError, TidalWSError, open_tidal_ws
 
 
 async def first_model(http_url: str, api_key: str | None) -> str:
@@ -21,6 +23,15 @@ async def first_model(http_url: str, api_key: str | None) -> str:
 
 
 async def main(args: argparse.Namespace) -> None:
+    try:
+        await chat(args)
+    except TidalWSConnectError as exc:
+        sys.exit(f"ws_client_example: {exc}")
+    except httpx.ConnectError:
+        sys.exit(f"ws_client_example: could not reach {args.url}: connection refused (is `tidal serve` running there?)")
+
+
+async def chat(args: argparse.Namespace) -> None:
     http_url = args.url.replace("ws://", "http://", 1).replace("wss://", "https://", 1).removesuffix("/v1/ws")
     model = args.model or await first_model(http_url, args.api_key)
     body = {

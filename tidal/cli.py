@@ -229,7 +229,11 @@ def _check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.otlp_traces_endpoint is not None:
         import importlib.util
 
-        if importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is None:
+        try:  # find_spec imports the parents, so a missing "opentelemetry" raises instead of answering None
+            exporter = importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http")
+        except ImportError:
+            exporter = None
+        if exporter is None:
             p.error("--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP/HTTP exporter: "
                     "pip install 'tidal[otel]'")
         if not args.otlp_traces_endpoint.startswith(("http://", "https://")):

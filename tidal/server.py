@@ -214,6 +214,8 @@ async def serve(config: ServerConfig) -> int:
     except* OSError as group:  # e.g. the port is taken
         log.error("exiting: cannot serve on %s:%d: %s", config.host, config.port, _innermost(group))
         exit_code = 2
+    if exit_code in (0, 1):  # the failures above said their own last line
+        log.info("tidal stopped (exit code %d)", exit_code)
     return exit_code
 
 

@@ -66,6 +66,7 @@ def test_sigterm_drains_then_aborts_what_cannot_finish(drain_server):
         for client in (*long_streams, short):
             client.close()
     assert "shutdown: aborting 2 requests still in flight" in server.log()
+    assert server.log().rstrip().splitlines()[-1].endswith("tidal stopped (exit code 0)")  # the last word said
 
 
 def test_second_sigterm_stops_at_once(second_signal_server):

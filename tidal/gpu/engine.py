@@ -63,7 +63,12 @@ class Engine:
         self.config = config
         torch.manual_seed(config.seed)  # unseeded requests draw from the global generator
         self.runner = ModelRunner(config)
-        self.tokenizer = Tokenizer.from_file(os.path.join(self.runner.model_dir, "tokenizer.json"))
+        tokenizer_file = os.path.join(self.runner.model_dir, "tokenizer.json")
+        if not os.path.isfile(tokenizer_file):  # tokenizers' own error names no file
+            raise FileNotFoundError(f"{self.runner.model_dir} has no tokenizer.json (the tokenizer): a model "
+                                    "directory needs config.json, the *.safetensors weights and tokenizer.json, "
+                                    "as save_pretrained writes them")
+        self.tokenizer = Tokenizer.from_file(tokenizer_file)
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)

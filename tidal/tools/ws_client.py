@@ -67,6 +67,46 @@ class TidalWSConnectionLost(TidalWSError):
         super().__init__(None, {"message": reason, "type": "connection_closed"})
 
 
+class TidalWSConnectError(TidalWSError):
+    """The connection could not be opened: nothing listens at the URL, or the server refused the handshake."""
+
+    def __init__(self, url: str, cause: BaseException) -> None:
+        reason = _handshake_reason(cause)
+        super().__init__(None, {"message": f"could not connect to {url}: {reason}", "type": "connection_failed"})
+        self.url = url
+
+    def __str__(self) -> str:
+        return self.error["message"]
+
+
+def _handshake_reason(exc: BaseException) -> str:
+    """What went wrong, in words: trio-websocket raises a bare HandshakeError whose causes say it."""
+    if isinstance(exc, trio_websocket.ConnectionRejected):
+        return f"the server refused the WebSocket handshake with HTTP {exc.status_code} (wrong path or API key?)"
+    if isinstance(exc, trio_websocket.ConnectionTimeout):
+        return "timed out opening the connection"
+    causes = list(_causes(exc))
+    if any(isinstance(cause, ConnectionRefusedError) for cause in causes):
+        return "connection refused (is `tidal serve` running there?)"
+    said = [str(cause) for cause in causes if str(cause)]
+    return said[0] if said else type(exc).__name__
+
+
+def _causes(exc: BaseException):
+    """``exc``'s causes and contexts, groups opened, nearest first."""
+    seen, pending = set(), [exc]
+    while pending:
+        current = pending.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if current is not exc:
+            yield current
+        pending += [current.__cause__, current.__context__]
+        if isinstance(current, BaseExceptionGroup):
+            pending += list(current.exceptions)
+
+
 class TidalWSClient:
     """One open connection; create it with :func:`open_tidal_ws`."""
 
@@ -242,7 +282,12 @@ async def open_tidal_ws(url: str, api_key: str | None = None) -> AsyncIterator[T
     connection and stops the reader task.
     """
     headers = [(b"Authorization", f"Bearer {api_key}".encode())] if api_key else None
-    async with trio_websocket.open_websocket_url(url, extra_headers=headers) as ws:
+    connection = trio_websocket.open_websocket_url(url, extra_headers=headers)
+    try:
+        ws = await connection.__aenter__()
+    except (trio_websocket.HandshakeError, OSError) as exc:
+        raise TidalWSConnectError(url, exc) from None
+    async with _entered(connection, ws):
         client = TidalWSClient(ws)
         try:
             async with trio.open_nursery() as nursery:
@@ -257,3 +302,16 @@ async def open_tidal_ws(url: str, api_key: str | None = None) -> AsyncIterator[T
             if len(group.exceptions) == 1:
                 raise group.exceptions[0] from None
             raise
+
+
+@asynccontextmanager
+async def _entered(manager, value):
+    """Run an already-entered async context manager's exit around a block (the connect was entered
+    separately so that only its own failures become :class:`TidalWSConnectError`)."""
+    try:
+        yield value
+    except BaseException as exc:
+        if not await manager.__aexit__(type(exc), exc, exc.__traceback__):
+            raise
+    else:
+        await manager.__aexit__(None, None, None)

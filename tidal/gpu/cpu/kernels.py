@@ -28,15 +28,17 @@ The linears and the attention kernels split their work with ``csrc/claims.h``: e
 own share in order and takes over the back of another's once done, so a thread preempted by the
 frontend or the client (they wake at every token, on the same cores) does not hold the step back.
 
-The build takes tens of seconds the first time and is cached in torch's extensions directory
+The build takes about a minute the first time (logging its progress every 15 s) and is cached in torch's extensions directory
 (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), so later processes only
 load the shared library. ``TIDAL_CPU_KERNELS=0`` turns the kernels off; so does any failure to
 build, after one logged warning: callers then use their plain-torch path. ``tidal build-kernels``
-(tidal/gpu/cpu/build.py) builds them ahead of the first start.
+(tidal/gpu/cpu/build.py) builds them ahead of the first start. tidal/gpu/cpu/build_lock.py keeps a build
+killed half-way from blocking every later start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -48,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from tidal.gpu.cpu import features
+from tidal.gpu.cpu import build_lock, features
 
 log = logging.getLogger(__name__)
 
@@ -113,19 +115,22 @@ def _load():
         from torch.utils import cpp_extension
 
         name, flags = _library()
+        directory = _build_directory(cpp_extension, name)
         building = not _is_built(cpp_extension, name)
         if building:  # progress, not a fault: the start is silent for this long otherwise
-            log.info("building the CPU kernels (first start only, ~30-70 s; later starts load the cached build): "
-                     "%s from %s with %s, into %s", name, ", ".join(path.name for path in _SOURCES),
-                     " ".join(flags), _build_directory(cpp_extension, name) or "torch's extension cache")
-        cpp_extension.load(
-            name=name,
-            sources=[str(path) for path in _SOURCES],
-            extra_cflags=flags,
-            extra_ldflags=[flag for flag in flags if flag == "-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+            log.info("building the CPU kernels (first start only: about a minute on two idle cores, several on a "
+                     "busy host; later starts load the cached build): %s from %s with %s, into %s", name,
+                     ", ".join(path.name for path in _SOURCES), " ".join(flags), directory or "torch's extension cache")
+        with (build_lock.exclusive_build(directory) if directory else contextlib.nullcontext(),
+              build_lock.progress(f"the CPU kernels ({name})") if building else contextlib.nullcontext()):
+            cpp_extension.load(
+                name=name,
+                sources=[str(path) for path in _SOURCES],
+                extra_cflags=flags,
+                extra_ldflags=[flag for flag in flags if flag == "-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
         ops = torch.ops.tidal_cpu
         ops.paged_decode_attention  # noqa: B018 - resolves the op now: a missing one fails here, not mid-forward
     except Exception as exc:  # noqa: BLE001 - any build or load failure means "use the torch path"
