@@ -81,6 +81,15 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknow
     structured: StructuredOutput | None = None  # None: unconstrained (no grammar work at all)
 
 
+class AdapterSpec(msgspec.Struct, frozen=True, array_like=True):
+    """A LoRA adapter as the frontend registered it: ``adapter_id`` is new for every load (a name
+    loaded again gets a new id), so an id always means the same weights."""
+
+    adapter_id: int
+    name: str
+    path: str
+
+
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything the engine process needs to start. Sent as the first frame."""
 
@@ -114,6 +123,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # compiled grammars kept, in bytes
     grammar_compile_timeout: float = 10.0
     grammar_cache_bytes: int = 512 << 20
+    # LoRA adapters (docs/lora.md): max_loras adapters in one step (0: no adapters), each of rank up to
+    # max_lora_rank; max_cpu_loras adapters kept loaded (0: max_loras); lora_modules load at start
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
+    lora_modules: tuple[AdapterSpec, ...] = ()
     # Test model knob: every forward pass lasts at least this long (seconds). Lets the
     # cancellation tests put an abort "mid-forward" deterministically.
     min_step_time: float = 0.0
@@ -131,6 +146,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     # another choice of the same request (n > 1): the engine schedules this one once that one's
     # prompt is prefilled, so the prompt's full KV blocks come from the prefix cache, not a prefill
     fork_of: int | None = None
+    adapter_id: int | None = None  # the LoRA adapter it runs through (AdapterSpec.adapter_id); None: the base model
     received_at: float = 0.0  # the engine's reader thread decoded it (set there, not sent)
 
 
@@ -151,7 +167,19 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-ToEngine = Union[AddRequest, AbortRequests, Ping, Shutdown]
+class LoadAdapter(msgspec.Struct, tag="load_adapter", array_like=True):
+    """Read and check an adapter; answered by ``AdapterLoaded`` with the same id."""
+
+    spec: AdapterSpec
+
+
+class UnloadAdapter(msgspec.Struct, tag="unload_adapter", array_like=True):
+    """Forget an adapter no live request uses (the frontend checks; the engine keeps one still held)."""
+
+    adapter_id: int
+
+
+ToEngine = Union[AddRequest, AbortRequests, Ping, Shutdown, LoadAdapter, UnloadAdapter]
 
 # ---------------------------------------------------------------- engine -> frontend
 
@@ -266,7 +294,12 @@ class EngineFailed(msgspec.Struct, tag="failed", array_like=True):
     message: str
 
 
-FromEngine = Union[Ready, StepReport, Pong, EngineFailed]
+class AdapterLoaded(msgspec.Struct, tag="adapter_loaded", array_like=True):
+    adapter_id: int
+    error: str | None = None  # why the adapter cannot be used; None: loaded
+
+
+FromEngine = Union[Ready, StepReport, Pong, EngineFailed, AdapterLoaded]
 
 # ---------------------------------------------------------------- framing
 
@@ -344,6 +377,15 @@ ROOT_HASH = b""  # the "parent" of a prompt's first block
 HASH_BYTES = 16
 
 
+def adapter_root_hash(adapter_id: int | None) -> bytes:
+    """The "parent" of the first block of a prompt run through LoRA adapter ``adapter_id`` (None: the base
+    model's ``ROOT_HASH``): the same tokens through two adapters chain to different digests, so they never
+    share KV blocks."""
+    if adapter_id is None:
+        return ROOT_HASH
+    return hashlib.blake2b(b"lora-adapter:%d" % adapter_id, digest_size=HASH_BYTES).digest()
+
+
 def hash_block(parent_hash: bytes, tokens: Sequence[int]) -> bytes:
     """Digest of a full block: BLAKE2b-128 over the parent's digest and the tokens as int32.
 
@@ -355,14 +397,15 @@ def hash_block(parent_hash: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent_hash + array("i", tokens).tobytes(), digest_size=HASH_BYTES).digest()
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[bytes]:
+def prefix_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None,
+                  root: bytes = ROOT_HASH) -> list[bytes]:
     """The chained digests of the full leading blocks of ``token_ids``, at most ``limit`` of them:
     entry *k* covers blocks 0..k, and equals the engine's ``Sequence.block_hashes[k]``."""
     num_blocks = len(token_ids) // block_size
     if limit is not None:
         num_blocks = min(num_blocks, limit)
     hashes = []
-    parent = ROOT_HASH
+    parent = root
     for start in range(0, num_blocks * block_size, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)

@@ -5,7 +5,8 @@ Pure Python over plain data (no torch), so it is tested on its own.
 A block holds ``block_size`` consecutive tokens of one sequence. A *full* block is
 registered in the prefix cache under a hash of its tokens chained with the hash of the
 block before it, so equal prefixes (a shared system prompt) map to the same blocks and
-are not recomputed. The hash is ``tidal.wire.hash_block``, a 128-bit BLAKE2b digest shared
+are not recomputed. The chain of a sequence run through a LoRA adapter starts from that adapter's
+root (``Sequence.root_hash``): its KV differs from the base model's for the same tokens. The hash is ``tidal.wire.hash_block``, a 128-bit BLAKE2b digest shared
 with the router's prefix affinity: a hit is trusted without comparing tokens, so a collision
 would hand one request another's KV (a wrong answer, and across users a leak). Blocks are reference counted: a prefix block shared by several
 sequences is freed when the last one lets go. A freed block that holds a cached prefix
@@ -73,7 +74,7 @@ class BlockManager:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         blocks: list[int] = []
-        parent = ROOT_HASH
+        parent = seq.root_hash  # per adapter: two adapters never share a block
         tokens = seq.token_ids
         for i in range(max_blocks):
             parent = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
@@ -121,7 +122,7 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         tokens = seq.token_ids
         for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.root_hash
             h = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
             seq.block_hashes.append(h)
             block_id = seq.block_table[i]

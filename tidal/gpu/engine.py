@@ -40,7 +40,9 @@ from typing import Generic, Protocol, TypeVar
 import torch
 from tokenizers import Tokenizer
 
+from tidal.gpu.adapters import Adapters
 from tidal.gpu.block_manager import BlockManager
+from tidal.gpu.model.lora import AdapterError
 from tidal.gpu.detokenizer import IncrementalDetokenizer
 from tidal.gpu.grammar import Grammars
 from tidal.gpu.logprobs import CapturedLogprobs
@@ -50,8 +52,9 @@ from tidal.gpu.scheduler import ScheduledBatch, Scheduler
 from tidal.gpu.sequence import Sequence
 from tidal.gpu.model.synthetic_model import SyntheticModel
 from tidal.gpu.sequence import SequenceStatus
-from tidal.wire import (ABORT_STEP_BUCKETS, AbortRequests, AddRequest, EngineConfig, EngineStats, EngineTiming,
-                        FinishReason, Logprobs, Ready, RequestOutput, StepReport)
+from tidal.wire import (ABORT_STEP_BUCKETS, AbortRequests, AdapterLoaded, AddRequest, EngineConfig, EngineStats,
+                        EngineTiming, FinishReason, LoadAdapter, Logprobs, Ready, RequestOutput, StepReport,
+                        UnloadAdapter)
 
 log = logging.getLogger("tidal.engine")
 
@@ -81,7 +84,15 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             by_priority=config.scheduling_policy == "priority",
             grammars=self.grammars,
+            max_loras=config.max_loras,
         )
+        # LoRA adapters (None: off); the --lora-modules are read and checked before the engine is ready
+        self.adapters = None
+        if self.runner.lora_slots is not None:
+            self.adapters = Adapters(self.runner.model_config, self.runner.lora_slots, config.max_lora_rank,
+                                     config.max_cpu_loras or config.max_loras)
+            for spec in config.lora_modules:
+                self.adapters.register(spec)
         self.sampler = Sampler()
         self.sequences: dict[int, Sequence] = {}  # the live ones; where each waits is the scheduler's
         self.num_steps = 0
@@ -150,7 +161,16 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             timing=EngineTiming(msg.received_at),
+            adapter_id=msg.adapter_id,
         )
+        if msg.adapter_id is not None:
+            error = self._acquire_adapter(msg.adapter_id)
+            if error is not None:  # refused before it holds anything
+                self._outputs.append(RequestOutput(request_id=msg.request_id, token_ids=[], text="",
+                                                   finish_reason="abort", error=error))
+                self._finished.append(msg.request_id)
+                self._dirty = True
+                return
         self.sequences[seq.request_id] = seq
         if not seq.prompt_token_ids or seq.num_tokens >= self.max_model_len:
             # the frontend validates this; the engine still never runs an impossible request
@@ -158,6 +178,30 @@ class Engine:
             return
         self.scheduler.add(seq, parent=self.sequences.get(msg.fork_of) if msg.fork_of is not None else None)
         self._dirty = True
+
+    def _acquire_adapter(self, adapter_id: int) -> str | None:
+        """Hold the adapter for a new sequence; why not, if it cannot be."""
+        if self.adapters is None:
+            return "LoRA adapters are off in this engine (--enable-lora)"
+        try:
+            self.adapters.acquire(adapter_id)
+        except AdapterError as exc:
+            return str(exc)
+        return None
+
+    def load_adapter(self, message: LoadAdapter) -> AdapterLoaded:
+        """Read and check an adapter the frontend registers; the answer says why not, if it cannot be used."""
+        if self.adapters is None:
+            return AdapterLoaded(message.spec.adapter_id, "LoRA adapters are off in this engine (--enable-lora)")
+        try:
+            self.adapters.register(message.spec)
+        except AdapterError as exc:
+            return AdapterLoaded(message.spec.adapter_id, str(exc))
+        return AdapterLoaded(message.spec.adapter_id)
+
+    def unload_adapter(self, message: UnloadAdapter) -> None:
+        if self.adapters is not None:
+            self.adapters.unregister(message.adapter_id)
 
     def abort_arrived(self, message: AbortRequests) -> None:
         """The pipe reader thread decoded an abort: stamp its arrival step, hand it to the step in flight."""
@@ -218,6 +262,8 @@ class Engine:
             self._dirty = True
         if not batch:
             return None
+        if self.adapters is not None:
+            self.adapters.place(batch)  # the previous pass is over: the slots are free to write
         launched_at = time.monotonic()
         _stamp_prefills(batch, launched_at)
         # with min_step_time (tidal-test) the pass lasts that long from its launch, like a device's
@@ -320,6 +366,8 @@ class Engine:
 
     def _forget(self, seq: Sequence) -> None:
         del self.sequences[seq.request_id]
+        if seq.adapter_id is not None:
+            self.adapters.release(seq.adapter_id)
         self._finished.append(seq.request_id)
         self._dirty = True
 

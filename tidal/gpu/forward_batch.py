@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tidal.gpu.model.lora import LoraRows
+
 
 @dataclass
 class ForwardBatch:
@@ -34,6 +36,8 @@ class ForwardBatch:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
     # rows whose logits are needed (the last row of every sequence that samples this step)
     logits_indices: torch.Tensor  # [num_sampled] int64
+    # which LoRA slot each row runs through (model/lora.py); None: every row is the base model's
+    lora: LoraRows | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,7 @@ from tidal.gpu.model.attention import select_attention_backend
 from tidal.gpu.cuda_graphs import CudaGraphs, capture_sizes
 from tidal.gpu.forward_batch import ForwardBatch
 from tidal.gpu.model.config import ModelConfig
+from tidal.gpu.model.lora import LoraSlots
 from tidal.gpu.model.loader import checkpoint_weight_dtype, load_model, quantized_weights_note, resolve_model_dir
 from tidal.gpu.model.precision import resolve_precision
 from tidal.gpu.model.quantization import resolve_on_the_fly
@@ -110,8 +111,17 @@ class ModelRunner:
             caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2 * mc.num_layers)]
         self.kv_caches = list(zip(caches[::2], caches[1::2], strict=True))
         self.cuda_graphs = self._capture_cuda_graphs()
+        # LoRA: every decoder Linear gets max_loras slots of adapters (model/lora.py)
+        self.lora_slots = self._lora_slots()
         # the weights one row multiplies, for ONE_THREAD_MACS (None: the step's size never changes the threads)
         self.row_macs = _row_macs(mc) if self.device.type == "cpu" and self.tp is None else None
+
+    def _lora_slots(self) -> LoraSlots | None:
+        if not self.config.max_loras:
+            return None
+        if self.tp is not None or isinstance(self.model, SyntheticModel):
+            raise ValueError("LoRA adapters run on a real model in one process (no tensor parallelism, not tidal-test)")
+        return LoraSlots(self.model, self.config.max_loras, self.config.max_lora_rank)
 
     def _capture_cuda_graphs(self) -> CudaGraphs | None:
         """Decode graphs on CUDA with the Triton kernels (the torch backend's decode plan reads
@@ -143,7 +153,7 @@ class ModelRunner:
             torch.set_num_threads(threads)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        if self.cuda_graphs is not None:
+        if self.cuda_graphs is not None and batch.lora is None:  # graphs are captured without adapters
             logits = self.cuda_graphs.run(batch)
             if logits is not None:
                 return logits
@@ -220,6 +230,8 @@ class ModelRunner:
             prefill_seq_lens_tensor=prefill_lens,
             prefill_block_tables=prefill_tables_2d,
             logits_indices=rows[3 * num_rows:3 * num_rows + num_sampled],
+            lora=None if self.lora_slots is None else self.lora_slots.rows(
+                [(self.lora_slots.slot_of.get(seq.adapter_id), n) for seq, n in entries], num_rows),
         )
 
 

@@ -20,9 +20,11 @@ from tidal.wire import (
     AbortRequests,
     AddRequest,
     EngineFailed,
+    LoadAdapter,
     Ping,
     Pong,
     Shutdown,
+    UnloadAdapter,
 )
 
 log = logging.getLogger("tidal.engine")
@@ -111,6 +113,10 @@ def _loop(engine, inbox, outbox) -> None:
             outbox.put_control(Pong(message.nonce, engine.stats()))
         elif isinstance(message, Shutdown):
             shutting_down = True
+        elif isinstance(message, LoadAdapter):
+            outbox.put_control(engine.load_adapter(message))
+        elif isinstance(message, UnloadAdapter):
+            engine.unload_adapter(message)
 
     def drain() -> None:
         while (message := inbox.get_nowait()) is not None:

@@ -10,7 +10,9 @@ Every step the scheduler picks which sequences run and how many of their tokens:
 2. Waiting sequences, in policy order (FCFS, or priority then arrival): each takes its
    cached prefix for free and a first chunk of its prompt, while the token budget, the
    ``max_num_seqs`` bound and the free blocks allow. Waiting is strictly in order: a
-   request that does not fit blocks the ones behind it (no starvation of long prompts).
+   request that does not fit blocks the ones behind it (no starvation of long prompts), and so does
+   one whose LoRA adapter would make more than ``max_loras`` adapters run at once: the adapters of
+   one step are bounded, and an adapter waiting its turn is never passed over.
 
 After the forward pass, ``commit`` books its results: the computed tokens advance, full
 blocks go to the prefix cache, each sampled token is appended, advances its grammar and is
@@ -29,6 +31,7 @@ Pure Python over ``Sequence`` and ``BlockManager`` (the grammars are handed in);
 from __future__ import annotations
 
 import bisect
+import collections
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,6 +71,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         by_priority: bool = False,
         grammars: Grammars | None = None,
+        max_loras: int = 0,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -79,6 +83,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # kept sorted by sort_key
         self.running: list[Sequence] = []  # kept sorted by sort_key
         self.num_preemptions = 0
+        # LoRA: the adapters of the running sequences (id -> how many), at most max_loras of them
+        self.max_loras = max_loras
+        self.running_adapters: collections.Counter[int] = collections.Counter()
 
     # ------------------------------------------------------------------ membership
 
@@ -102,6 +109,7 @@ class Scheduler:
         status = seq.status
         if status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._adapter_left(seq)
         elif status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif status is SequenceStatus.COMPILING:
@@ -197,6 +205,8 @@ class Scheduler:
         # 2. waiting sequences, in policy order
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self._adapter_fits(seq):
+                break  # in order, like the blocks: its adapter gets a place as soon as one's sequences end
             prefix = blocks.lookup_prefix(seq)
             num_new = min(seq.num_tokens - len(prefix) * blocks.block_size, budget)
             if not blocks.can_allocate(seq, num_new, prefix):
@@ -204,6 +214,8 @@ class Scheduler:
             self.waiting.pop(0)
             blocks.allocate(seq, num_new, prefix)
             seq.move_to(SequenceStatus.RUNNING)
+            if seq.adapter_id is not None:
+                self.running_adapters[seq.adapter_id] += 1
             self._insert(self.running, seq)
             if not seq.started:
                 seq.started = True
@@ -270,8 +282,22 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Free a running sequence's blocks and requeue it for recomputation."""
         self.running.remove(seq)
+        self._adapter_left(seq)
         self.block_manager.free(seq)
         seq.num_cached_tokens = 0
         self._enqueue(seq)
         batch.preempted.append(seq)
         self.num_preemptions += 1
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may run beside the running sequences: its adapter already runs, or fewer than
+        ``max_loras`` adapters do."""
+        adapter_id = seq.adapter_id
+        return (adapter_id is None or adapter_id in self.running_adapters
+                or len(self.running_adapters) < self.max_loras)
+
+    def _adapter_left(self, seq: Sequence) -> None:
+        if seq.adapter_id is not None:
+            self.running_adapters[seq.adapter_id] -= 1
+            if not self.running_adapters[seq.adapter_id]:
+                del self.running_adapters[seq.adapter_id]

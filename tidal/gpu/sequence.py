@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tidal.wire import EngineTiming, FinishReason, SamplingParams
+from tidal.wire import EngineTiming, FinishReason, SamplingParams, adapter_root_hash
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +73,8 @@ class Sequence:
     text: str = ""
     # the engine's stamps of its way to the first token; sent with its first output, then None
     timing: "EngineTiming | None" = None
+    adapter_id: int | None = None  # the LoRA adapter it runs through; None: the base model
+
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -83,6 +85,8 @@ class Sequence:
             frozenset() if params.ignore_eos else self.eos_token_ids)
         limit = len(self.prompt_token_ids) + params.max_tokens
         self.max_num_tokens = min(limit, self.max_model_len) if self.max_model_len else limit
+        # the prefix cache's chain starts here: two adapters' KV for the same tokens differ
+        self.root_hash = adapter_root_hash(self.adapter_id)
 
     @property
     def num_tokens(self) -> int:

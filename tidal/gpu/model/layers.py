@@ -16,7 +16,8 @@ from torch import nn
 
 from tidal.gpu.cpu import huge_pages
 from tidal.gpu.cpu import features
-from tidal.gpu.model import quantization, quantized_linear
+from tidal.gpu.model import lora, quantization, quantized_linear
+from tidal.gpu.model.lora import add_lora
 
 
 def _empty_parameter(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
@@ -147,6 +148,7 @@ class Linear(nn.Module):
         # once packed, the quantized weight in its device's kernel layout with .linear(x, bias): PackedInt on a
         # CPU, quantized_linear.TritonInt or Fp8Linear on a CUDA GPU (quantized_linear.pack)
         self.int_packed = None
+        self.lora: lora.LoraWeights | None = None  # every LoRA slot's A and B (lora.LoraSlots), with adapters on
 
     @classmethod
     def packed_from(cls, weight: torch.Tensor, weight_dtype: torch.dtype | None = None,
@@ -283,12 +285,19 @@ class GatedMLP(nn.Module):
         # the fused kernel works in whole 8-float vectors
         self._ops = cpu_layer_ops(dtype, device) if intermediate_size % 8 == 0 else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """``lora``: the pass's ``lora.LoraRows`` when a row runs through an adapter (each Linear adds its product)."""
         gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            gate_up = add_lora(gate_up, x, self.gate_up_proj, lora)
         if self._ops is not None:
-            return self.down_proj(self._ops.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            hidden = self._ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            hidden = F.silu(gate) * up
+        if lora is not None:
+            return add_lora(self.down_proj(hidden), hidden, self.down_proj, lora)
+        return self.down_proj(hidden)
 
 
 def rotary_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

@@ -25,6 +25,7 @@ from torch import nn
 from tidal.gpu.forward_batch import ForwardBatch
 from tidal.gpu.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, place_kernel_weights
 from tidal.gpu.model.config import ModelConfig
+from tidal.gpu.model.lora import add_lora
 from tidal.gpu.model.quantization import PackedInt, Scheme
 from tidal.gpu.parallel.layers import ParallelGatedMLP, VocabParallelLMHead, VocabShard, attention_projections, head_shard, vocab_parallel_embedding
 
@@ -65,7 +66,10 @@ class LlamaAttention(nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if batch.lora is not None:
+            qkv = add_lora(qkv, hidden, self.qkv_proj, batch.lora)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -74,8 +78,10 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k)
         q, k = self.rotary.rotate(q, k, cos, sin)
         k_cache, v_cache = kv_cache
-        out = self.attention.forward(q, k, v, k_cache, v_cache, batch, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.attention.forward(q, k, v, k_cache, v_cache, batch, self.scale).reshape(num_tokens, self.q_size)
+        if batch.lora is not None:
+            return add_lora(self.o_proj(out), out, self.o_proj, batch.lora)
+        return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -100,7 +106,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, out, residual, cos, sin, kv_cache, batch):
         normed = self.input_layernorm.add_norm(residual, out)
         out = self.self_attn(normed, cos, sin, kv_cache, batch)
-        return self.mlp(self.post_attention_layernorm.add_norm(residual, out)), residual
+        return self.mlp(self.post_attention_layernorm.add_norm(residual, out), batch.lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -205,8 +211,8 @@ class LlamaForCausalLM(nn.Module):
     def _stack_arguments(self, batch: ForwardBatch, kv_caches) -> tuple | None:
         """The one-call decoder stack's arguments for this batch, or None when it does not run it: there is a
         stack, its linears take this many rows, and every row attends on the C++ kernel."""
-        if self._decoder_stack is None or (self._stack_max_rows is not None
-                                           and batch.input_ids.shape[0] > self._stack_max_rows):
+        if self._decoder_stack is None or batch.lora is not None or (
+                self._stack_max_rows is not None and batch.input_ids.shape[0] > self._stack_max_rows):
             return None
         rows = self._stack_attention.kernel_rows(batch, self._stack_dtype, kv_caches[0][0])
         if rows is None:

@@ -1,0 +1,287 @@
+"""LoRA adapters as PEFT saves them, checked against the model they adapt, and their product in a mixed batch.
+
+An adapter is a directory with ``adapter_config.json`` and ``adapter_model.safetensors``, whose tensors are
+``base_model.model.model.layers.{i}.{self_attn|mlp}.{projection}.lora_A.weight`` [r, in] and ``...lora_B.weight``
+[out, r]. A row through the adapter computes ``W x + scale * B (A x)`` with ``scale = lora_alpha / r``
+(``lora_alpha / sqrt(r)`` with ``use_rslora``); the scale is folded into B when the adapter is read.
+
+Mixed batches (``LoraSlots``): each fused Linear of a decoder layer (qkv_proj, o_proj, gate_up_proj,
+down_proj) carries one A and one B that hold every slot's adapter side by side. Slot s, part p (q/k/v of
+qkv_proj, gate/up of gate_up_proj) owns ranks ``[(s * parts + p) * R, ... + r)``: its A rows, and its B rows
+with non-zero columns only in that part's slice of the fused output. For the batch's rows x and their
+slots' one-hot mask, ``out += ((x @ A.T) * onehot) @ B`` is every row's own adapter in two matmuls, whatever
+the mix; the base weights are read once for all rows, and a base-model row's mask is zero.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from tidal.gpu.model.config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# a Hugging Face projection -> (its sublayer, the fused tidal Linear holding it, its part of that Linear)
+PROJECTIONS = {
+    "q_proj": ("self_attn", "qkv_proj", 0),
+    "k_proj": ("self_attn", "qkv_proj", 1),
+    "v_proj": ("self_attn", "qkv_proj", 2),
+    "o_proj": ("self_attn", "o_proj", 0),
+    "gate_proj": ("mlp", "gate_up_proj", 0),
+    "up_proj": ("mlp", "gate_up_proj", 1),
+    "down_proj": ("mlp", "down_proj", 0),
+}
+FUSED_PARTS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
+
+# PEFT settings that change what the adapter computes beyond plain LoRA: refused when set (truthy)
+VARIANTS = ("modules_to_save", "use_dora", "lora_bias", "fan_in_fan_out", "rank_pattern", "alpha_pattern",
+            "layer_replication", "target_parameters", "trainable_token_indices", "use_qalora", "megatron_config",
+            "alora_invocation_tokens", "arrow_config", "use_bdlora", "kasa_config", "monteclora_config",
+            "velora_config")
+
+_TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served; the message names the adapter and the cause."""
+
+
+@dataclass
+class LoraAdapter:
+    """One adapter's tensors, checked: (layer, projection) -> (A [r, in], scale * B [out, r]), float32."""
+
+    name: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def projection_shape(config: ModelConfig, projection: str) -> tuple[int, int]:
+    """(in, out) features of a Hugging Face projection of ``config``'s decoder layers."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}[projection]
+
+
+def read_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> LoraAdapter:
+    """Read the PEFT adapter at ``path`` and check it against ``config``; raises ``AdapterError``."""
+
+    def refuse(why: str) -> AdapterError:
+        return AdapterError(f"LoRA adapter {name!r}: {why}")
+
+    settings = _read_config(path, refuse)
+    if settings.get("peft_type", "LORA") != "LORA":
+        raise refuse(f"peft_type {settings['peft_type']!r} is not supported: tidal serves LoRA adapters")
+    for key in VARIANTS:
+        if settings.get(key):
+            raise refuse(f"{key} ({settings[key]!r}) is not supported: tidal serves plain LoRA (A and B of the "
+                         "attention and MLP projections)")
+    if settings.get("bias", "none") != "none":
+        raise refuse(f"bias {settings['bias']!r} is not supported: tidal serves plain LoRA without biases")
+    rank, alpha = settings.get("r"), settings.get("lora_alpha", 8)
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise refuse(f"r must be a positive integer, not {rank!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise refuse(f"lora_alpha must be a number, not {alpha!r}")
+    if rank > max_rank:
+        raise refuse(f"rank {rank} exceeds --max-lora-rank {max_rank}")
+    _check_targets(settings.get("target_modules"), config, refuse)
+    scale = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
+    weights = _read_tensors(path, config, rank, scale, refuse)
+    if not weights:
+        raise refuse(f"{WEIGHTS_FILE} holds no LoRA tensors of the attention or MLP projections")
+    return LoraAdapter(name, rank, weights)
+
+
+def _read_config(path: str, refuse) -> dict:
+    if not os.path.isdir(path):
+        raise refuse(f"no adapter directory at {path!r}")
+    try:
+        with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as f:
+            settings = json.load(f)
+    except FileNotFoundError:
+        raise refuse(f"{path!r} has no {CONFIG_FILE}") from None
+    except (OSError, ValueError) as exc:
+        raise refuse(f"{CONFIG_FILE} cannot be read: {exc}") from None
+    if not isinstance(settings, dict):
+        raise refuse(f"{CONFIG_FILE} is not a JSON object")
+    return settings
+
+
+def _check_targets(targets, config: ModelConfig, refuse) -> None:
+    """``target_modules`` names only projections the model has (a list of names, or a regex over module names)."""
+    if isinstance(targets, str) and targets != "all-linear":
+        names = [f"model.layers.{i}.{sublayer}.{projection}" for i in range(config.num_layers)
+                 for projection, (sublayer, _, _) in PROJECTIONS.items()]
+        try:
+            pattern = re.compile(targets)
+        except re.error as exc:
+            raise refuse(f"target_modules {targets!r} is not a regular expression: {exc}") from None
+        if not any(pattern.fullmatch(module) for module in names):
+            raise refuse(f"target_modules {targets!r} matches none of the model's projections "
+                         f"({', '.join(PROJECTIONS)})")
+    elif isinstance(targets, list):
+        for target in targets:
+            if not isinstance(target, str) or target.rsplit(".", 1)[-1] not in PROJECTIONS:
+                raise refuse(f"target module {target!r} is not in the model: LoRA can target "
+                             f"{', '.join(PROJECTIONS)}")
+    elif targets not in (None, "all-linear"):
+        raise refuse(f"target_modules must be a list of names or a regex, not {targets!r}")
+
+
+def _read_tensors(path: str, config: ModelConfig, rank: int, scale: float, refuse) -> dict:
+    from safetensors import SafetensorError, safe_open
+
+    file = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(file):
+        raise refuse(f"{path!r} has no {WEIGHTS_FILE}" + (
+            " (adapter_model.bin is not read: save with safe_serialization)"
+            if os.path.isfile(os.path.join(path, "adapter_model.bin")) else ""))
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                match = _TENSOR.match(key)
+                if match is None or match.group(3) not in PROJECTIONS or PROJECTIONS[match.group(3)][0] != match.group(2):
+                    raise refuse(f"tensor {key!r} is not the LoRA A or B of an attention or MLP projection")
+                layer = int(match.group(1))
+                if layer >= config.num_layers:
+                    raise refuse(f"tensor {key!r} is for layer {layer}; the model has {config.num_layers} layers")
+                halves.setdefault((layer, match.group(3)), {})[match.group(4)] = f.get_tensor(key)
+    except (SafetensorError, OSError) as exc:
+        raise refuse(f"{WEIGHTS_FILE} cannot be read: {exc}") from None
+    weights = {}
+    for (layer, projection), pair in sorted(halves.items()):
+        where = f"layer {layer} {projection}"
+        if set(pair) != {"A", "B"}:
+            raise refuse(f"{where} has lora_{next(iter(pair))} without its other half")
+        a, b = pair["A"], pair["B"]
+        in_features, out_features = projection_shape(config, projection)
+        if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
+            raise refuse(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} contradict the model "
+                         f"(rank {rank}: expected ({rank}, {in_features}) and ({out_features}, {rank}))")
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise refuse(f"{where}: LoRA weights must be floating point, not {a.dtype}")
+        weights[(layer, projection)] = (a.float(), b.float() * scale)
+    return weights
+
+
+@dataclass
+class LoraRows:
+    """Which slot each row of a forward pass runs through: ``onehot`` [rows, slots, 1] (all zero for a
+    base-model row), in the activations' dtype; only the first ``num_slots`` slots take part."""
+
+    onehot: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return self.onehot.shape[1]
+
+
+def add_lora(out: torch.Tensor, x: torch.Tensor, linear, rows: LoraRows) -> torch.Tensor:
+    """``out`` (``linear(x)``) plus each row's adapter product, in place (``linear.lora``: ``LoraWeights``)."""
+    weights = linear.lora
+    width = rows.num_slots * weights.slot_width
+    h = torch.mm(x, weights.a[:width].t())
+    h = (h.view(h.shape[0], rows.num_slots, weights.slot_width) * rows.onehot).view(h.shape[0], width)
+    return out.addmm_(h, weights.b[:width])
+
+
+@dataclass
+class LoraWeights:
+    """One fused Linear's A [slots * parts * R, in] and B [slots * parts * R, out], every slot side by side."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    parts: int
+    part_sizes: tuple[int, ...]  # the fused output's slice of each part
+    max_rank: int
+
+    @property
+    def slot_width(self) -> int:
+        return self.parts * self.max_rank
+
+
+class LoraSlots:
+    """The adapters the model can run at once: ``num_slots`` slots in every decoder Linear (``linear.lora``).
+
+    ``place`` puts the adapters of a batch in slots before its pass (a slot's adapter stays until a batch
+    needs the slot for another), ``rows`` builds the pass's one-hot mask. Written only between passes.
+    """
+
+    def __init__(self, model, num_slots: int, max_rank: int) -> None:
+        self.num_slots, self.max_rank = num_slots, max_rank
+        self.slot_of: dict[int, int] = {}  # adapter id -> its slot
+        self._layers = model.model.layers
+        self.dtype = model.model.embed_tokens.dtype
+        self.device = model.model.embed_tokens.device
+        for layer in self._layers:
+            attn = layer.self_attn
+            sizes = {"qkv_proj": (attn.q_size, attn.kv_size, attn.kv_size), "o_proj": (attn.o_proj.out_features,),
+                     "gate_up_proj": (layer.mlp.intermediate_size,) * 2, "down_proj": (layer.mlp.down_proj.out_features,)}
+            for fused, parts in FUSED_PARTS.items():
+                linear = self._linear(layer, fused)
+                width = num_slots * parts * max_rank
+                in_features = attn.q_size if fused == "o_proj" else (
+                    layer.mlp.intermediate_size if fused == "down_proj" else model.config.hidden_size)
+                linear.lora = LoraWeights(torch.zeros(width, in_features, dtype=self.dtype, device=self.device),
+                                          torch.zeros(width, sum(sizes[fused]), dtype=self.dtype, device=self.device),
+                                          parts, sizes[fused], max_rank)
+
+    @staticmethod
+    def _linear(layer, fused: str):
+        return getattr(layer.self_attn if fused in ("qkv_proj", "o_proj") else layer.mlp, fused)
+
+    def place(self, adapters: dict[int, LoraAdapter]) -> None:
+        """Give each of ``adapters`` (id -> adapter, at most ``num_slots``) a slot, writing the new ones into
+        slots no adapter of this batch holds."""
+        free = [s for s in range(self.num_slots) if s not in self.slot_of.values()]
+        spare = [s for adapter_id, s in self.slot_of.items() if adapter_id not in adapters]
+        for adapter_id, adapter in adapters.items():
+            if adapter_id in self.slot_of:
+                continue
+            slot = free.pop() if free else spare.pop()
+            self.slot_of = {i: s for i, s in self.slot_of.items() if s != slot}
+            self._write(slot, adapter)
+            self.slot_of[adapter_id] = slot
+
+    def forget(self, adapter_id: int) -> None:
+        self.slot_of.pop(adapter_id, None)
+
+    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        for index, layer in enumerate(self._layers):
+            for fused in FUSED_PARTS:
+                weights = self._linear(layer, fused).lora
+                rows = slice(slot * weights.slot_width, (slot + 1) * weights.slot_width)
+                weights.a[rows].zero_()
+                weights.b[rows].zero_()
+            for projection, (_, fused, part) in PROJECTIONS.items():
+                pair = adapter.weights.get((index, projection))
+                if pair is None:
+                    continue
+                weights = self._linear(layer, fused).lora
+                start = slot * weights.slot_width + part * self.max_rank
+                column = sum(weights.part_sizes[:part])
+                a, b = pair
+                weights.a[start:start + adapter.rank].copy_(a)
+                weights.b[start:start + adapter.rank, column:column + weights.part_sizes[part]].copy_(b.t())
+
+    def rows(self, slots_of_entries: list[tuple[int | None, int]], num_rows: int) -> LoraRows | None:
+        """The mask of a pass whose entries (slot or None, rows) come in row order; None when no row has an adapter."""
+        used = [slot for slot, _ in slots_of_entries if slot is not None]
+        if not used:
+            return None
+        onehot = torch.zeros(num_rows, max(used) + 1, 1, dtype=self.dtype)
+        row = 0
+        for slot, count in slots_of_entries:
+            if slot is not None:
+                onehot[row:row + count, slot] = 1
+            row += count
+        return LoraRows(onehot if self.device.type == "cpu" else onehot.to(self.device))
