@@ -26,6 +26,8 @@ def compute(bm: BlockManager, seq: Sequence, n: int) -> bool:
     if n <= 0 or not bm.can_allocate(seq, n, prefix):
         return False
     bm.allocate(seq, n, prefix)
+    if prefix:  # the scheduler counts the prefix cache's tokens as computed and cached
+        seq.num_computed_tokens = seq.num_cached_tokens = len(prefix) * BLOCK
     seq.num_computed_tokens += n
     bm.register_full_blocks(seq)
     return True
@@ -66,6 +68,7 @@ def test_no_leak_no_double_free(ops, num_blocks, shared_prefix):
                 bm.free(live.pop(seq.request_id))
             elif op == "preempt":
                 bm.free(seq)  # recompute later from scratch (maybe from the prefix cache)
+                seq.num_computed_tokens = 0  # as the scheduler's preemption does
         bm.check_invariants()
         held = sum(len(s.block_table) for s in live.values())
         assert held >= bm.num_used_blocks  # shared blocks are counted once in used

@@ -98,7 +98,8 @@ class BlockManager:
     # ------------------------------------------------------------------ changes
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: Seq[int] = ()) -> None:
-        """Give ``seq`` slots for ``num_new_tokens`` more tokens, first taking ``prefix``."""
+        """Give ``seq`` slots for ``num_new_tokens`` more tokens, first taking ``prefix`` (whose tokens the
+        caller then counts as computed and cached: ``num_computed_tokens`` is the scheduler's alone)."""
         if not self.can_allocate(seq, num_new_tokens, prefix):
             raise MemoryError("not enough free KV blocks (check can_allocate first)")
         if prefix:
@@ -108,10 +109,9 @@ class BlockManager:
                 self._ref_counts[block_id] += 1
                 seq.block_hashes.append(self._hash_of_block[block_id])  # type: ignore[arg-type]
             seq.block_table.extend(prefix)
-            seq.num_computed_tokens = len(prefix) * self.block_size
-            seq.num_cached_tokens = seq.num_computed_tokens
-            self.num_prefix_hit_tokens += seq.num_computed_tokens
-        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+            self.num_prefix_hit_tokens += len(prefix) * self.block_size
+        computed = len(prefix) * self.block_size if prefix else seq.num_computed_tokens
+        needed = self.blocks_for(computed + num_new_tokens) - len(seq.block_table)
         for _ in range(needed):
             seq.block_table.append(self._take_free_block())
 
@@ -131,7 +131,7 @@ class BlockManager:
                 self._hash_of_block[block_id] = h
 
     def free(self, seq: Sequence) -> None:
-        """Release all of ``seq``'s blocks and reset its progress (finish, abort or preempt)."""
+        """Release all of ``seq``'s blocks (finish, abort or preempt; its progress is the scheduler's)."""
         for block_id in reversed(seq.block_table):  # tail blocks are the least reusable
             count = self._ref_counts[block_id] - 1
             if count < 0:
@@ -144,7 +144,6 @@ class BlockManager:
                     self._free_cached[block_id] = None
         seq.block_table = []
         seq.block_hashes = []
-        seq.num_computed_tokens = 0
 
     def _take_free_block(self) -> int:
         if self._free_plain:

@@ -123,6 +123,7 @@ class Scheduler:
             self.grammars.release(seq.request_id)
         self._release_forks(seq.request_id)  # a parent that ended before its first token
         self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
         seq.move_to(SequenceStatus.FINISHED)
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
@@ -213,6 +214,8 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             blocks.allocate(seq, num_new, prefix)
+            # its first schedule (or the first since a preemption): the prefix cache's tokens are computed
+            seq.num_computed_tokens = seq.num_cached_tokens = len(prefix) * blocks.block_size
             seq.move_to(SequenceStatus.RUNNING)
             if seq.adapter_id is not None:
                 self.running_adapters[seq.adapter_id] += 1
@@ -284,7 +287,7 @@ class Scheduler:
         self.running.remove(seq)
         self._adapter_left(seq)
         self.block_manager.free(seq)
-        seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0  # recomputed (or found in the prefix cache) when scheduled again
         self._enqueue(seq)
         batch.preempted.append(seq)
         self.num_preemptions += 1

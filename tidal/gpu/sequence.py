@@ -59,8 +59,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     block_table: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first schedule)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (written by the scheduler alone)
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first schedule; the scheduler)
     block_hashes: list[bytes] = field(default_factory=list)  # content digest of each full block
     started: bool = False  # has been scheduled at least once (left the queue)
     finish_reason: FinishReason | None = None
