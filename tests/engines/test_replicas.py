@@ -173,3 +173,24 @@ async def test_a_replica_that_cannot_start_stops_the_server(autojump_clock):
                 await nursery.start(replicas.run)
     assert failure.group_contains(EngineStartError, match="bad model", depth=None)
     assert len(clients) == 2  # no restart of a replica that never served
+
+
+async def test_a_late_report_from_a_dead_life_does_not_release_the_new_lifes_requests(autojump_clock):
+    replicas, clients, frontend = make_set(1, max_restarts=3)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(replicas.run)
+            first = replicas.replicas[0].client
+            first.kill()
+            while replicas.replicas[0].state is not ReplicaState.SERVING or replicas.replicas[0].client is first:
+                await trio.sleep(0.01)
+            replicas.pick(prompt(1))
+            replicas.pick(prompt(2))
+            # the dead engine's last report, read after its successor started: not this life's requests
+            first.listener.on_report(StepReport([], [], [1, 2], first.stats), first)
+            assert replicas.router.replicas[0].num_assigned == 2
+            second = replicas.replicas[0].client
+            second.listener.on_report(StepReport([], [], [3], second.stats), second)
+            assert replicas.router.replicas[0].num_assigned == 1
+            assert [engine for _, engine in frontend.reports] == [first, second]  # both still reach the frontend
+            nursery.cancel_scope.cancel()

@@ -68,15 +68,21 @@ def test_a_replica_short_of_kv_blocks_is_avoided():
 
 def test_release_and_replica_lifetime():
     router = make_router()
+    serving = [True, True]  # the replicas' state table, which the router asks (never copies)
+    for i in range(2):
+        router.replicas[i].serving = lambda i=i: serving[i]
     decision = router.route(prompt(1))
-    router.replica_down(decision.index)
+    serving[decision.index] = False
     assert router.num_up == 1
     assert {router.route(prompt(p)).index for p in range(3)} == {1 - decision.index}
-    router.replica_up(decision.index, 8, 100, EngineStats)
+    serving[decision.index] = True
+    router.replica_up(decision.index, 8, 100, EngineStats, lambda: serving[decision.index])
     router.release(decision.index, decision.generation)  # from its former life: not counted
     assert router.replicas[decision.index].num_assigned == 0
-    router.replica_down(0)
-    router.replica_down(1)
+    assert router.route(prompt(2, suffix=1)).index == decision.index  # the empty one
+    router.release(decision.index, decision.generation)  # still not counted, with a request to miscount
+    assert router.replicas[decision.index].num_assigned == 1
+    serving[0] = serving[1] = False
     with pytest.raises(NoReplica):
         router.route(prompt(1))
 

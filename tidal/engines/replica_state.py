@@ -6,10 +6,9 @@
        |                                     ^   |
        +---------------- died ---------------+   +--too many failures in a row--> DOWN
 
-DOWN is final. Whether a replica serves is this state and nothing else: the router is told
-when a replica enters or leaves SERVING (``ReplicaSet._move`` is the only caller of
-``Router.replica_up`` / ``replica_down``), and the count of its lives (``generation``) is the
-router's alone (``tidal/engines/router.py``).
+DOWN is final. Whether a replica serves is this state and nothing else: the router asks it at
+every route (``Router.replica_up`` is handed the question when the replica enters SERVING), and
+the count of its lives (``generation``) is the router's alone (``tidal/engines/router.py``).
 """
 
 from __future__ import annotations

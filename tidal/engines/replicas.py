@@ -8,10 +8,11 @@ Nursery nesting is lifetime nesting::
       _supervise(replica N-1)
 
 Each replica is an ``EngineClient`` (its own process, pipes and device) at a time, and its life is
-the state table of ``tidal/engines/replica_state.py``; ``_move`` is the table's one writer and the
-only code that tells the router (``tidal/engines/router.py``) a replica is up or down. The
-supervisor is the listener of every client it starts: it counts the requests the serving client
-reports finished for the router, then hands the report to the frontend (``on_report``). When a
+the state table of ``tidal/engines/replica_state.py``; ``_move`` is the table's one writer, and the
+router (``tidal/engines/router.py``) asks that table whether a replica serves at every route. Each
+life of a replica (each client) gets a listener: it counts the requests that client reports
+finished for the router, under the life's generation, then hands the report to the frontend
+(``on_report``). When a
 replica dies its requests fail through the frontend's ``on_engine_dead`` (error frames, as with
 one engine), the router stops sending it requests at once, and the other replicas keep serving.
 
@@ -168,15 +169,15 @@ class ReplicaSet:
 
     async def _supervise(self, replica: Replica) -> None:
         failures = 0  # deaths in a row, each after a life shorter than stable_after
-        listener = _ReplicaListener(self, replica)
         while True:
             client = replica.client = self.make_client(replica.index)
+            listener = _ReplicaListener(self, replica)  # one per life: its finishes count in this life only
             client.attach(listener)
             born_at: float | None = None
 
             def up(ready: Ready) -> None:
                 nonlocal born_at
-                self._up(replica, ready)
+                listener.generation = self._up(replica, ready)
                 born_at = trio.current_time()
 
             try:
@@ -202,23 +203,24 @@ class ReplicaSet:
             self._move(replica, ReplicaState.STARTING)
 
     def _move(self, replica: Replica, new: ReplicaState) -> None:
-        """The one writer of a replica's state; the router learns here whether it may route there."""
-        old = replica.move_to(new)
-        if new is ReplicaState.SERVING:
-            ready, client = replica.ready, replica.client
-            self.router.replica_up(replica.index, ready.max_num_seqs, ready.num_total_blocks,  # type: ignore[union-attr]
-                                   lambda: client.stats)
-        elif old is ReplicaState.SERVING:
-            self.router.replica_down(replica.index)  # no new request goes there from now on
+        """The one writer of a replica's state. The router asks this state whether it may route there
+        (it keeps no copy), so leaving SERVING stops new requests at once."""
+        replica.move_to(new)
 
-    def _up(self, replica: Replica, ready: Ready) -> None:
+    def _up(self, replica: Replica, ready: Ready) -> int:
+        """The replica serves; returns the router's number for this life (``Router.release``)."""
         replica.ready = ready
         self._move(replica, ReplicaState.SERVING)
+        client = replica.client
+        generation = self.router.replica_up(replica.index, ready.max_num_seqs, ready.num_total_blocks,
+                                            lambda: client.stats,
+                                            lambda: replica.state is ReplicaState.SERVING)
         if replica.num_restarts:
             log.info("replica %d is serving again (engine pid %d)", replica.index, ready.pid)
         if all(r.ready is not None for r in self.replicas):
             self.ever_served = True
             self._all_started.set()
+        return generation
 
     def _died(self, replica: Replica, why: str | None = None) -> None:
         """The replica's engine is gone (told by its client, or its ``run`` returned): RESTARTING,
@@ -230,17 +232,17 @@ class ReplicaSet:
 
 
 class _ReplicaListener:
-    """Between one replica's clients and the frontend: counts finished requests for the router."""
+    """Between one life of a replica (one client) and the frontend: counts finished requests for the
+    router, under the life's generation, so a late report of a dead life changes no count."""
 
     def __init__(self, replicas: ReplicaSet, replica: Replica):
         self.replicas = replicas
         self.replica = replica
+        self.generation: int | None = None  # the router's number for this life, once it serves
 
     def on_report(self, report: StepReport, engine: EngineClient) -> None:
-        replica = self.replica
-        if report.finished and engine is replica.client and replica.state is ReplicaState.SERVING:
-            router = self.replicas.router
-            router.release(replica.index, router.replicas[replica.index].generation, len(report.finished))
+        if report.finished and self.generation is not None:
+            self.replicas.router.release(self.replica.index, self.generation, len(report.finished))
         if self.replicas.listener is not None:  # None until the frontend exists (start-up)
             self.replicas.listener.on_report(report, engine)
 

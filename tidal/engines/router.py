@@ -46,10 +46,14 @@ class ReplicaView:
     max_num_seqs: int = 0
     num_total_blocks: int = 0
     stats: Callable[[], EngineStats] = field(default=EngineStats)  # its latest report
-    up: bool = False
-    generation: int = 0  # bumped by every start: requests of an earlier life are not counted
+    serving: Callable[[], bool] = lambda: False  # whether it serves: asked of its owner, never copied
+    generation: int = 0  # bumped by every start: releases from an earlier life are not counted
     num_assigned: int = 0  # routed here and not yet reported finished
     prefixes: OrderedDict = field(default_factory=OrderedDict)  # prefix hash -> None, LRU order
+
+    @property
+    def up(self) -> bool:
+        return self.serving()
 
     def load(self, num_blocks_needed: int) -> int:
         stats = self.stats()
@@ -102,19 +106,20 @@ class Router:
 
     # ------------------------------------------------------------------ replica lifetime
 
-    def replica_up(self, index: int, max_num_seqs: int, num_total_blocks: int,
-                   stats: Callable[[], EngineStats]) -> None:
-        """A (re)started replica is ready; its cache starts empty."""
+    def replica_up(self, index: int, max_num_seqs: int, num_total_blocks: int, stats: Callable[[], EngineStats],
+                   serving: Callable[[], bool] = lambda: True) -> int:
+        """A (re)started replica is ready: a new life, its counts and cache empty. Returns the life's
+        ``generation``, which its finishes are released under (``release``).
+
+        ``serving``: whether the replica serves, asked at every route; its owner's state table answers
+        (``ReplicaSet``: SERVING), so the router never keeps a copy. The default, a replica that never
+        goes down, is for a router used on its own."""
         view = self.replicas[index]
         view.max_num_seqs, view.num_total_blocks, view.stats = max_num_seqs, num_total_blocks, stats
-        view.up, view.num_assigned = True, 0
+        view.serving, view.num_assigned = serving, 0
         view.generation += 1
         view.prefixes.clear()
-
-    def replica_down(self, index: int) -> None:
-        view = self.replicas[index]
-        view.up, view.num_assigned = False, 0
-        view.prefixes.clear()
+        return view.generation
 
     @property
     def num_up(self) -> int:
@@ -143,7 +148,8 @@ class Router:
         return Decision(chosen.index, chosen.generation, reason, cached.get(chosen.index, 0))
 
     def release(self, index: int, generation: int, count: int = 1) -> None:
-        """The replica reported a request routed to it in its life ``generation`` finished (or aborted)."""
+        """The replica reported a request routed to it in its life ``generation`` finished (or aborted);
+        a report from an earlier life (a late one from a dead engine) changes nothing."""
         view = self.replicas[index]
         if view.generation == generation:
             view.num_assigned = max(0, view.num_assigned - count)
