@@ -153,8 +153,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="On SIGINT/SIGTERM, seconds to let requests in flight finish before aborting them "
                         "(default 30). A second signal stops at once.")
     g.add_argument("--engine-heartbeat-timeout", type=float, default=10.0,
-                   help="Seconds without an answer from the engine's step loop before it is declared hung "
-                        "(default 10).")
+                   help="Seconds without an answer from the engine process (answered beside its steps, "
+                        "however long they take) before it is declared hung (default 10).")
+    g.add_argument("--engine-step-timeout", type=float, default=600.0,
+                   help="Seconds one engine step may run before it is declared hung, raised for a step "
+                        "whose size explains more (10x its tokens at the slowest rate seen) (default 600).")
 
     g = p.add_argument_group("observability (see docs/metrics.md and docs/tracing.md)")
     g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
@@ -213,6 +216,7 @@ def server_config(args: argparse.Namespace):
         max_ws_requests_per_connection=args.max_ws_requests_per_connection,
         shutdown_timeout=args.shutdown_timeout,
         engine_heartbeat_timeout=args.engine_heartbeat_timeout,
+        engine_step_timeout=args.engine_step_timeout,
         data_parallel_size=args.data_parallel_size,
         engine_restarts=args.engine_restarts,
         log_level=args.log_level,

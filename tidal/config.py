@@ -29,6 +29,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     engine_heartbeat_interval: float = 1.0
     engine_heartbeat_timeout: float = 10.0
+    engine_step_timeout: float = 600.0  # a step stuck past this and past its size (tidal/engines/liveness.py)
     engine_start_timeout: float = 600.0
     data_parallel_size: int = 1  # engine replicas (docs/scaling.md)
     engine_restarts: int | None = None  # restarts in a row of a dead replica; None: 5 if several, else 0
@@ -59,6 +60,8 @@ class ServerConfig:
             raise ValueError("--body-timeout must be positive")
         if self.max_stream_buffer_bytes < 1 or self.stream_stall_timeout <= 0:
             raise ValueError("--max-stream-buffer-bytes and --stream-stall-timeout must be positive")
+        if not (self.engine_heartbeat_timeout > 0 and self.engine_step_timeout > 0):
+            raise ValueError("--engine-heartbeat-timeout and --engine-step-timeout must be positive")
 
     @property
     def model_name(self) -> str:

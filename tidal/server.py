@@ -68,6 +68,7 @@ class Server:
                 channel_capacity=channel_capacity(max_in_flight),
                 heartbeat_interval=config.engine_heartbeat_interval,
                 heartbeat_timeout=config.engine_heartbeat_timeout,
+                step_timeout=config.engine_step_timeout,
                 start_timeout=config.engine_start_timeout,
             )
 

@@ -158,7 +158,9 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
 
 
 class Ping(msgspec.Struct, tag="ping", array_like=True):
-    """Answered by the step loop itself, so a hung loop stops answering."""
+    """Answered by the engine's pipe reader thread, beside the step loop: a long step does not
+    delay the answer, a stopped or dead process gives none. The answer says how far the step
+    loop has come (``StepProgress``), so the frontend can also tell a step stuck past its size."""
 
     nonce: int
 
@@ -285,9 +287,20 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     dtype_reason: str = ""  # why this dtype, e.g. "auto: the CPU has native bf16 (avx512_bf16)"
 
 
+class StepProgress(msgspec.Struct, array_like=True):
+    """How far the engine's step loop has come, as of a Pong (docs/architecture.md, liveness)."""
+
+    steps_done: int = 0
+    step_age: float = 0.0  # seconds the step in flight has run so far (0.0: none in flight)
+    step_num_tokens: int = 0  # the size of the step in flight, in tokens
+    # the slowest finished step's seconds per token: what a step's size explains of its time
+    slowest_token_seconds: float = 0.0
+
+
 class Pong(msgspec.Struct, tag="pong", array_like=True):
     nonce: int
     stats: EngineStats
+    progress: StepProgress = msgspec.field(default_factory=StepProgress)
 
 
 class EngineFailed(msgspec.Struct, tag="failed", array_like=True):

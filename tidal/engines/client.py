@@ -7,9 +7,11 @@ Hops owned here (see docs/architecture.md):
   never lost; the channel is sized so that admission bounds what can be in it.
 * engine stdout pipe -> **reader task** -> each ``StepReport`` to ``listener.on_report``
   (the frontend, which routes outputs to requests; it never waits on a handler).
-* **heartbeat task**: a Ping answered by the engine's step loop itself; no answer within
-  the heartbeat timeout means the engine is hung, and EOF on the pipe means it died.
-  Either way ``listener.on_engine_dead`` is told at once and ``run`` raises ``EngineDead``.
+* **heartbeat task**: a Ping, answered by the engine's pipe reader thread with the step
+  loop's progress (tidal/engines/liveness.py); no answer within the heartbeat timeout (of the
+  frontend's own on-time waiting) means the engine is hung, and so does a step stuck far past
+  what its size explains; EOF on the pipe means it died. Any of these: ``listener.on_engine_dead``
+  is told at once and ``run`` raises ``EngineDead``.
 
 Transport only: this module knows no requests. Several clients (data-parallel replicas) may
 share one listener; each call names the client it comes from.
@@ -29,6 +31,7 @@ from typing import Protocol
 
 import trio
 
+from tidal.engines.liveness import StepBound, wait_on_time
 from tidal.wire import (
     AbortRequests,
     AddRequest,
@@ -40,6 +43,7 @@ from tidal.wire import (
     Pong,
     Ready,
     Shutdown,
+    StepProgress,
     StepReport,
     decode_from_engine,
     encode_frame,
@@ -73,15 +77,18 @@ class EngineClient:
         channel_capacity: float,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 10.0,
+        step_timeout: float = 600.0,
         start_timeout: float = 600.0,
     ):
         self.config = config
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
+        self.step_bound = StepBound(step_timeout)
         self.start_timeout = start_timeout
         self.listener: Listener | None = None
         self.ready: Ready | None = None
         self.stats = EngineStats()
+        self.progress = StepProgress()  # as of the last Pong
         self.dead: str | None = None  # why, once the engine is gone
         self.process: trio.Process | None = None
         self._send, self._receive = trio.open_memory_channel(channel_capacity)
@@ -115,17 +122,15 @@ class EngineClient:
             self._send.send_nowait(encode_frame(AbortRequests([request_id])))
 
     async def ping(self, timeout: float) -> EngineStats | None:
-        """Round trip through the engine's step loop; None if it does not answer in time."""
+        """Round trip to the engine process (its pipe reader thread, not its step loop); None if it
+        does not answer within ``timeout`` seconds of this frontend's on-time waiting."""
         if self.dead is not None:
             return None
         nonce = next(self._nonces)
         event = self._pongs[nonce] = trio.Event()
         try:
             self._send.send_nowait(encode_frame(Ping(nonce)))
-            with trio.move_on_after(timeout):
-                await event.wait()
-                return self.stats
-            return None
+            return self.stats if await wait_on_time(event, timeout) and self.dead is None else None
         except trio.WouldBlock:
             return None
         finally:
@@ -241,6 +246,9 @@ class EngineClient:
                 else:
                     self._fail(f"engine did not answer a heartbeat within {self.heartbeat_timeout} s")
                 process.kill()  # a hung engine is not coming back; the reader task sees EOF
+            elif (why := self.step_bound.why_stuck(self.progress)) is not None and self.dead is None:
+                self._fail(why)
+                process.kill()
 
     async def _read_loop(self, process: trio.Process, splitter: FrameSplitter, bodies: list[bytes]) -> None:
         # Wait, then read: one scheduling round and one read per engine report. (The stream's
@@ -270,7 +278,7 @@ class EngineClient:
             if self.listener is not None:
                 self.listener.on_report(message, self)
         elif isinstance(message, Pong):
-            self.stats = message.stats
+            self.stats, self.progress = message.stats, message.progress
             event = self._pongs.get(message.nonce)
             if event is not None:
                 event.set()

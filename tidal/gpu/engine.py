@@ -53,8 +53,8 @@ from tidal.gpu.sequence import Sequence
 from tidal.gpu.model.synthetic_model import SyntheticModel
 from tidal.gpu.sequence import SequenceStatus
 from tidal.wire import (ABORT_STEP_BUCKETS, AbortRequests, AdapterLoaded, AddRequest, EngineConfig, EngineStats,
-                        EngineTiming, FinishReason, LoadAdapter, Logprobs, Ready, RequestOutput, StepReport,
-                        UnloadAdapter)
+                        EngineTiming, FinishReason, LoadAdapter, Logprobs, Ready, RequestOutput, StepProgress,
+                        StepReport, UnloadAdapter)
 
 log = logging.getLogger("tidal.engine")
 
@@ -121,6 +121,7 @@ class Engine:
             passes = self._default_passes()
         self._passes = PASSES[passes]()
         self._in_flight: InFlight | None = None
+        self.slowest_token_seconds = 0.0  # of the finished steps (``progress``)
         self.min_step_time = config.min_step_time
         self._sampling_rows: list[int] = []  # the forward thread's persistent sampling batch
         self._sampling = SamplingBatch([], [], [], [])
@@ -237,11 +238,15 @@ class Engine:
         and launch come right after the commit, so its forward pass runs while this step's
         outputs are detokenized and reported (and while the process loop sends them).
         """
-        in_flight = self._in_flight or self._launch()  # schedule -> forward
+        if self._in_flight is None:
+            self._in_flight = self._launch()  # schedule -> forward
+        in_flight = self._in_flight
         if in_flight is None:
             return False  # nothing fits right now (waiting for blocks)
         tokens, logprobs, failures = in_flight.tokens.result()
         sampled_at = time.monotonic()  # one stamp per step: the first-token stamp of who got theirs now
+        token_seconds = (sampled_at - in_flight.launched_at) / max(in_flight.batch.num_tokens, 1)
+        self.slowest_token_seconds = max(self.slowest_token_seconds, token_seconds)
         self._apply_late_aborts()  # the abort window: the pass is over, its outputs not yet booked
         appended = self.scheduler.commit(in_flight.batch, tokens, failures)  # commit
         self.num_steps += 1  # an abort arriving from here on is applied by the launch, else by the next step
@@ -268,7 +273,7 @@ class Engine:
         _stamp_prefills(batch, launched_at)
         # with min_step_time (tidal-test) the pass lasts that long from its launch, like a device's
         ends_at = launched_at + self.min_step_time if self.min_step_time else 0.0
-        return InFlight(batch, self._passes.submit(self._start_pass, self._finish_pass, ends_at, batch))
+        return InFlight(batch, self._passes.submit(self._start_pass, self._finish_pass, ends_at, batch), launched_at)
 
     def _default_passes(self) -> str:
         if isinstance(self.runner.model, SyntheticModel):
@@ -387,6 +392,15 @@ class Engine:
             aborts_freed=list(self.aborts_freed),
         )
 
+    def progress(self) -> StepProgress:
+        """How far the step loop has come. Safe from another thread (the pipe reader answering a
+        Ping): it reads each attribute once and changes nothing."""
+        in_flight = self._in_flight
+        if in_flight is None:
+            return StepProgress(self.num_steps, 0.0, 0, self.slowest_token_seconds)
+        return StepProgress(self.num_steps, time.monotonic() - in_flight.launched_at, in_flight.batch.num_tokens,
+                            self.slowest_token_seconds)
+
     def take_report(self) -> StepReport | None:
         """Everything that changed since the last report, or None."""
         if not self._dirty:
@@ -420,6 +434,7 @@ class InFlight:
 
     batch: ScheduledBatch
     tokens: PendingResult[PassResult]  # and the logprobs of the rows that asked, and grammar failures
+    launched_at: float = 0.0
 
 
 @dataclass

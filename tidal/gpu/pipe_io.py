@@ -1,8 +1,9 @@
 """The engine's side of the pipes: one reader thread, one writer thread.
 
 The step loop never blocks on I/O. The reader thread decodes frames into an inbox the
-loop drains between steps, and hands each abort straight to the engine (``on_abort``)
-(applied in the middle of a step). A step report goes out from the step loop itself when
+loop drains between steps, hands each abort straight to the engine (``on_abort``)
+(applied in the middle of a step) and answers each ping itself (``on_ping``): the engine's
+pulse, independent of how long a step takes. A step report goes out from the step loop itself when
 the writer thread is idle and the pipe takes the whole frame (a non-blocking write: no
 thread hand-off per step); otherwise the writer thread sends it, and while it is busy (the
 pipe is full: the frontend is behind), new step reports are *merged* into the pending one,
@@ -23,6 +24,7 @@ from tidal.wire import (
     AbortRequests,
     AddRequest,
     EngineConfig,
+    Ping,
     FrameSplitter,
     RequestOutput,
     Shutdown,
@@ -58,11 +60,13 @@ INBOX_MAX_MESSAGES = 65536
 class Inbox:
     """Frames from the frontend, decoded by a daemon thread."""
 
-    def __init__(self, fd: int, on_abort: Callable[[AbortRequests], None] | None = None):
+    def __init__(self, fd: int, on_abort: Callable[[AbortRequests], None] | None = None,
+                 on_ping: Callable[[Ping], None] | None = None):
         self._fd = fd
         self._queue: queue.Queue[ToEngine] = queue.Queue(INBOX_MAX_MESSAGES)
         # an abort also goes here at once, for the step in flight (the queued copy keeps order)
         self._on_abort = on_abort
+        self._on_ping = on_ping  # answers a ping on this thread (None: queued like the rest)
         self._thread = threading.Thread(target=self._run, name="tidal-engine-reader", daemon=True)
         self._thread.start()
 
@@ -79,6 +83,9 @@ class Inbox:
                         message.received_at = time.monotonic()  # the request's "engine_received" stamp
                     elif self._on_abort is not None and isinstance(message, AbortRequests):
                         self._on_abort(message)  # stamped there, before the queued copy can be handled
+                    elif self._on_ping is not None and type(message) is Ping:
+                        self._on_ping(message)
+                        continue
                     self._queue.put(message)
         except OSError:
             pass

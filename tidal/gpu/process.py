@@ -5,6 +5,9 @@ inbox's reader thread hands each to ``engine.abort_arrived`` as it arrives, and 
 applies them between the forward pass and the booking of its outputs (and again before it
 launches the next pass), so an abort that arrives mid-forward frees the request's KV blocks in
 that same step.
+
+Pings never wait for a step: the reader thread answers each at once with the engine's progress
+(``answer_ping``), so a step of a minute is a live engine, and a stopped process a silent one.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def run_engine_process(in_fd: int, out_fd: int) -> int:
         return 1
     if engine.runner.tp is not None:  # a tensor-parallel rank that exits fails the engine at once, busy or idle
         engine.runner.tp.on_rank_death = lambda why: _fail_now(outbox, why)
-    inbox = Inbox(in_fd, on_abort=engine.abort_arrived)
+    inbox = Inbox(in_fd, on_abort=engine.abort_arrived, on_ping=lambda ping: answer_ping(engine, outbox, ping))
     outbox.put_control(engine.ready_message())
     try:
         _loop(engine, inbox, outbox)
@@ -92,6 +95,11 @@ def tighten_timer_slack() -> bool:
         return False
 
 
+def answer_ping(engine, outbox, ping: Ping) -> None:
+    """The engine's pulse, from the pipe reader thread: alive, and how far the step loop has come."""
+    outbox.put_control(Pong(ping.nonce, engine.stats(), engine.progress()))
+
+
 def _fail_now(outbox, why: str) -> None:
     """Tell the frontend why and exit, from whichever thread noticed (the rank's collective may never return)."""
     log.error("%s", why)
@@ -109,8 +117,8 @@ def _loop(engine, inbox, outbox) -> None:
             engine.add_request(message)
         elif isinstance(message, AbortRequests):
             engine.abort(message.request_ids, message.received_step)
-        elif isinstance(message, Ping):
-            outbox.put_control(Pong(message.nonce, engine.stats()))
+        elif isinstance(message, Ping):  # only where no reader thread answers it (see answer_ping)
+            answer_ping(engine, outbox, message)
         elif isinstance(message, Shutdown):
             shutting_down = True
         elif isinstance(message, LoadAdapter):
