@@ -22,8 +22,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default="tidal-tiny",
                    help="A Hugging Face Hub id (ORG/NAME; downloaded once into the Hub cache), a local Hugging "
-                        "Face model directory (config.json, *.safetensors, tokenizer.json), or 'tidal-tiny', the "
-                        "embedded 7M-parameter Llama with deterministic weights (default).")
+                        "Face model directory (config.json, *.safetensors, tokenizer.json), a GGUF file (or a "
+                        "directory holding one), 'ollama:NAME[:TAG]' (a model Ollama pulled; docs/models.md), or "
+                        "'tidal-tiny', the embedded 7M-parameter Llama with deterministic weights (default).")
+    g.add_argument("--tokenizer", default=None,
+                   help="GGUF models only: a Hugging Face model directory whose tokenizer (and chat template) to "
+                        "use instead of the one in the file.")
     g.add_argument("--revision", default=None,
                    help="Hub ids only: the branch, tag or commit to serve (default: main).")
     g.add_argument("--download-dir", default=None,
@@ -278,6 +282,19 @@ def _resolve_hub_model(args: argparse.Namespace) -> None:
         args.model = path
 
 
+def _resolve_gguf_model(args: argparse.Namespace) -> None:
+    """A GGUF file (or ollama:NAME) becomes a prepared model directory here, once, before any engine starts."""
+    from tidal import gguf_model
+
+    if not gguf_model.is_gguf_model(args.model):
+        if args.tokenizer is not None:
+            raise gguf_model.GgufModelError("--tokenizer applies to GGUF models; a model directory brings its own")
+        return
+    path = gguf_model.find_gguf(args.model)
+    args.served_model_name = args.served_model_name or args.model
+    args.model = gguf_model.prepare(path, args.tokenizer)
+
+
 def _exec_headless_node(config) -> None:
     """Become this node's launcher of tensor-parallel ranks (``tidal.gpu.parallel.worker --node``): no HTTP
     server, no tokenizer, only the ranks of each replica, until node 0 shuts them down. The engine
@@ -362,9 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         logging.getLogger("tidal.server").error("exiting: cannot serve on %s:%d: %s", args.host, args.port, exc)
         return 2
+    from tidal.gguf_model import GgufModelError
+
     try:
         _resolve_hub_model(args)
-    except ModelNotAvailable as exc:  # the same exit code as a bad local model directory
+        _resolve_gguf_model(args)
+    except (ModelNotAvailable, GgufModelError) as exc:  # the same exit code as a bad local model directory
         logging.getLogger("tidal.server").error("exiting: %s", exc)
         return 3
     try:

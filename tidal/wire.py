@@ -186,6 +186,10 @@ ToEngine = Union[AddRequest, AbortRequests, Ping, Shutdown, LoadAdapter, UnloadA
 # ---------------------------------------------------------------- engine -> frontend
 
 
+# In a model directory prepared from a GGUF file (tidal/gguf_model.py, in the frontend): {"gguf": the file's path},
+# which the engine's loader reads the weights from (tidal/gpu/model/gguf_checkpoint.py)
+GGUF_POINTER = "gguf.json"
+
 ABORT_STEP_BUCKETS = 4  # EngineStats.aborts_freed: 0, 1, 2, 3 or more steps
 
 

@@ -39,6 +39,7 @@ def run_engine_process(in_fd: int, out_fd: int) -> int:
                         format="%(asctime)s engine %(levelname)s %(message)s")
     if "TIDAL_ENGINE_LOG_LEVEL" not in os.environ:  # the first start's kernel build is progress worth seeing
         logging.getLogger("tidal.gpu.cpu.kernels").setLevel(logging.INFO)
+        logging.getLogger("tidal.gguf").setLevel(logging.INFO)  # and so is a GGUF load's
     config = read_config(in_fd)
 
     # Everything below the config read may fail; the frontend must hear why.

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 
 import torch
 
-from tidal.gpu.model import compressed, quantization, quantized_linear, tiny_model
+from tidal.gpu.model import compressed, gguf_checkpoint, quantization, quantized_linear, tiny_model
 from tidal.gpu.model.layers import Linear, packs_weights
 from tidal.gpu.model.config import ModelConfig
 from tidal.gpu.model.registry import LlamaForCausalLM, model_class
@@ -50,6 +51,10 @@ def load_model(
     ``torch._scaled_mm`` on CUDA).
     """
     config = ModelConfig.from_dir(model_dir)
+    gguf = gguf_checkpoint.GgufCheckpoint.read(model_dir, config)
+    if gguf is not None and (quantize is not None or tp is not None):
+        raise ValueError("a GGUF model brings its own tensor types and runs on one process: drop "
+                         + ("--quantization" if quantize is not None else "--tensor-parallel-size"))
     checkpoint = compressed.CompressedCheckpoint.read(model_dir)
     if quantize is not None and checkpoint is not None:
         raise ValueError(f"--quantization {quantize}: the checkpoint is already quantized ({checkpoint.describe()})")
@@ -67,6 +72,9 @@ def load_model(
     if tiny_model.has_generated_weights(model_dir, config):
         weights = tiny_model.generate_weights(config, tiny_model.special_token_ids(model_dir), config.init_seed)
         model.load_weights(weights.items())
+    elif gguf is not None:
+        gguf.native = quantized_linear.int_kernel(device) == "cpu"  # Q4_1's minimum: the C++ kernel only
+        model.load_weights(gguf.weights())
     elif checkpoint is not None:
         model.load_weights(checkpoint.decompress(iter_safetensors(model_dir)))
     else:
@@ -83,9 +91,15 @@ def load_model(
             lm_head_scheme = quantization.LM_HEAD[quantization.ON_THE_FLY[quantize].activation_bits]
     elif checkpoint is not None and (checkpoint.keeps_integers or checkpoint.keeps_fp8):
         checkpoint.attach(dict(model.named_modules()))
+    elif gguf is not None:
+        gguf.attach(dict(model.named_modules()))
+        model.gguf_note = gguf.describe()
     if (any(linear.quantized is not None for linear in decoder_linears) or lm_head_scheme is not None
             or packs_weights(dtype, device, linear_weights)):
+        started = time.monotonic()
         model.pack_weights(linear_weights if linear_weights != dtype else None, lm_head_scheme)
+        if gguf is not None:
+            gguf_checkpoint.log.info("GGUF: linears packed for the kernels in %.1f s", time.monotonic() - started)
     return model, config
 
 
@@ -104,15 +118,16 @@ def quantization_groups(model_dir: str, quantize: str | None) -> tuple[str, int]
 def quantized_weights_note(model) -> str:
     """For the ready line: "; int4+int8 weights (int8 activations): 48.8 MB quantized + 0.0 MB dense linear weights
     read per step" when any linear is quantized (int8: the LM head's format; activations named when rounded)."""
+    gguf = f"; {model.gguf_note}" if getattr(model, "gguf_note", None) else ""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     packed = [m.int_packed for m in linears if m.int_packed is not None]
     if not packed:
-        return ""
+        return gguf
     formats = "+".join(sorted({quantized_linear.weight_format(p) for p in packed}))
     activations = " (int8 activations)" if any(getattr(p, "activation_bits", 16) == 8 for p in packed) else ""
     quantized, dense = quantization.weight_bytes(linears)
     tp = getattr(model, "tp", None)
-    return (f"; {formats} weights{activations}: {quantized / 1e6:.1f} MB quantized + {dense / 1e6:.1f} MB dense "
+    return (f"{gguf}; {formats} weights{activations}: {quantized / 1e6:.1f} MB quantized + {dense / 1e6:.1f} MB dense "
             f"linear weights read per step{'' if tp is None else f' by each of {tp.size} ranks'}")
 
 

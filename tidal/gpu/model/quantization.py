@@ -66,7 +66,8 @@ def resolve_on_the_fly(name: str | None, dtype_name: str, device: torch.device) 
 @dataclass
 class QuantizedWeight:
     """A [N, K] weight as integers ``q`` (int8 tensor holding values in [-2^(bits-1), 2^(bits-1) - 1]) with
-    float32 ``scales`` [N, groups] and optional integer ``zero_points`` [N, groups]: w = (q - zp) * scale."""
+    float32 ``scales`` [N, groups], optional integer ``zero_points`` [N, groups] and optional float32 ``mins``
+    [N, groups] (llama.cpp's Q4_1 keeps a minimum per group): w = (q - zp) * scale + min."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -74,6 +75,7 @@ class QuantizedWeight:
     bits: int
     group_size: int  # inputs per scale; K for one scale per channel
     activation_bits: int = 16  # 8: the kernel rounds x to int8 blocks of 32 (Scheme.activation_bits)
+    mins: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] these integers stand for."""
@@ -81,7 +83,8 @@ class QuantizedWeight:
         q = self.q.float()
         if self.zero_points is not None:
             q = q - self.zero_points.float().repeat_interleave(self.group_size, dim=1)[:, :k]
-        return q * self.scales.repeat_interleave(self.group_size, dim=1)[:, :k]
+        w = q * self.scales.repeat_interleave(self.group_size, dim=1)[:, :k]
+        return w if self.mins is None else w + self.mins.repeat_interleave(self.group_size, dim=1)[:, :k]
 
     def __getitem__(self, index) -> QuantizedWeight:
         """A tensor-parallel shard, indexed as the dense weight is: output channels ``w[a:b]`` (with their scales
@@ -90,12 +93,15 @@ class QuantizedWeight:
         (``check_whole_groups``): the kernel's groups start at the first input."""
         rows, inputs = index if isinstance(index, tuple) else (index, slice(None))
         q, scales, zero_points = self.q[rows], self.scales[rows], None if self.zero_points is None else self.zero_points[rows]
+        mins = None if self.mins is None else self.mins[rows]
         k = self.q.shape[1]
         start, stop, step = inputs.indices(k)
         if (start, stop, step) == (0, k, 1):
-            return QuantizedWeight(q, scales, zero_points, self.bits, self.group_size, self.activation_bits)
+            return QuantizedWeight(q, scales, zero_points, self.bits, self.group_size, self.activation_bits, mins)
         if step != 1:
             raise ValueError("a quantized weight is sharded by contiguous inputs only")
+        if mins is not None:  # a row-parallel shard's partial sums would each add the minimum
+            raise ValueError("weights with a minimum per group (Q4_1) are sharded by output channels only")
         if self.group_size >= k:  # one scale per output channel
             return QuantizedWeight(q[:, start:stop], scales, zero_points, self.bits, stop - start, self.activation_bits)
         check_whole_groups(start, stop, k, self.bits, self.group_size)
@@ -115,8 +121,11 @@ class QuantizedWeight:
         if any(p.zero_points is not None for p in parts):
             zero_points = torch.cat([p.zero_points if p.zero_points is not None else torch.zeros_like(p.scales, dtype=torch.int8)
                                      for p in parts])
+        mins = None
+        if any(p.mins is not None for p in parts):
+            mins = torch.cat([p.mins if p.mins is not None else torch.zeros_like(p.scales) for p in parts])
         return QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), zero_points,
-                               first.bits, first.group_size, first.activation_bits)
+                               first.bits, first.group_size, first.activation_bits, mins)
 
 
 def check_whole_groups(start: int, stop: int, k: int, bits: int, group_size: int) -> None:
@@ -173,8 +182,8 @@ class PackedInt:
     16 columns, K, 16] (int8) or [blocks, chunks of 8 inputs, 64] (int4, ``_pack_int4``); int8 activations
     (csrc/linear_int_a8.cpp): [blocks of 8 columns, K/4 or K/8, 32], 4 consecutive inputs of 8 columns per 32 bytes
     (int4: a byte holds inputs 8t + j and 8t + 4 + j). ``scales`` and ``offsets`` float32 [blocks, groups, columns
-    per block] (offset = zero point * scale, plus 8 * scale for int4, which is stored unsigned), or no offsets for
-    symmetric int8 per channel."""
+    per block] (offset = zero point * scale, plus 8 * scale for int4, which is stored unsigned, minus the group's
+    minimum), or no offsets for symmetric int8 per channel."""
 
     def __init__(self, weight: QuantizedWeight, ops) -> None:
         n, k = weight.q.shape
@@ -200,6 +209,8 @@ class PackedInt:
             offsets = weight.zero_points.float() * scales
         if weight.bits == 4:
             offsets = (offsets if offsets is not None else 0) + 8 * scales
+        if weight.mins is not None:
+            offsets = (offsets if offsets is not None else torch.zeros_like(scales)) - weight.mins.float()
         elif offsets is None and scales.shape[1] != 1 and weight.activation_bits == 16:
             offsets = torch.zeros_like(scales)
         self.scales = self._blocked(scales, blocks, columns)

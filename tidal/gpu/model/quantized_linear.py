@@ -50,6 +50,8 @@ def pack(weight, device: torch.device | str):
     if int_kernel(device) == "triton":
         if weight.activation_bits == 8:
             raise ValueError("w8a8/w4a8 (int8 activations) run on CPUs only; on CUDA use int8, int4 or fp8")
+        if weight.mins is not None:
+            raise ValueError("int4 weights with a minimum per group (GGUF Q4_1) run on CPUs only")
         return TritonInt(weight, device)
     return quantization.PackedInt(weight, quantization.int_linear_ops(device))
 
