@@ -139,16 +139,13 @@ def prepare(gguf_path: str, tokenizer: str | None = None, generation_config: str
     with tempfile.TemporaryDirectory(dir=cache_root(), prefix=".partial-") as partial:
         log.info("GGUF %s: reading its metadata (%.1f MB file)", gguf_path, stat.st_size / 1e6)
         config = config_from_metadata(gguf_path)
-        with open(os.path.join(partial, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2)
         if generation_config is not None:
             shutil.copy(_generation_config_file(generation_config), os.path.join(partial, "generation_config.json"))
         log.info("GGUF %s: %s, %d layers; converting its tokenizer%s (once: it is cached)", gguf_path,
                  config["architectures"][0], config["num_hidden_layers"],
                  f" (from {tokenizer})" if tokenizer else " with transformers")
         _convert_tokenizer(gguf_path, partial, tokenizer)
-        with open(os.path.join(partial, POINTER), "w", encoding="utf-8") as f:
-            json.dump({"gguf": os.path.realpath(gguf_path)}, f)
+        write_model_files(gguf_path, partial, config)  # the pointer last: it marks the directory complete
         try:
             os.rename(partial, target)
         except OSError:  # another server prepared it meanwhile
@@ -157,6 +154,16 @@ def prepare(gguf_path: str, tokenizer: str | None = None, generation_config: str
         os.makedirs(partial, exist_ok=True)  # for TemporaryDirectory's cleanup
     log.info("GGUF %s: prepared in %.1f s -> %s", gguf_path, time.monotonic() - started, target)
     return target
+
+
+def write_model_files(gguf_path: str, out_dir: str, config: dict | None = None) -> None:
+    """``config.json`` (from the metadata unless given) and the pointer to the file: what the engine's loader
+    reads (the tokenizer is ``prepare``'s other part)."""
+    config = config_from_metadata(gguf_path) if config is None else config
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(out_dir, POINTER), "w", encoding="utf-8") as f:
+        json.dump({"gguf": os.path.realpath(gguf_path)}, f)
 
 
 def _source_key(path: str | None) -> str | None:
