@@ -1,8 +1,9 @@
 """``tidal bench`` as a user runs it (``python -m tidal bench ...``) against live servers.
 
 What it reports must agree with what the server counted: every request it calls completed
-generated exactly ``--output-len`` tokens (``--ignore-eos``), and the server's
-``tidal:generation_tokens_total`` grew by the bench's total output tokens.
+generated exactly ``--output-len`` tokens (``--ignore-eos``), the server's
+``tidal:generation_tokens_total`` grew by the bench's total output tokens, and every prompt was
+``--input-len`` tokens as the server counted it (chat template included).
 """
 
 from __future__ import annotations
@@ -58,10 +59,13 @@ def test_bench_agrees_with_the_server(request, tmp_path, endpoint):
     generated = after["tidal:generation_tokens_total"] - before["tidal:generation_tokens_total"]
     assert generated == report["total_output_tokens"]
     assert report["total_input_tokens"] == after["tidal:prompt_tokens_total"] - before["tidal:prompt_tokens_total"]
-    # --input-len counts tokens of the served model's tokenizer (found by its name), not words
+    # --input-len counts tokens of the served model's tokenizer (found by its name), not words, as the
+    # server counts them: the chat template's tokens (or the completion's BOS) are part of the 16
     assert report["config"]["tokenizer"].endswith("tidal-tiny/tokenizer.json")
-    if endpoint == "completions":
-        assert report["total_input_tokens"] == NUM_PROMPTS * (16 + 1)  # + BOS
+    assert report["total_input_tokens"] == NUM_PROMPTS * 16
+    assert {record["prompt_tokens"] for record in report["requests"]} == {16}
+    assert report["prompt_overhead_tokens"] == (1 if endpoint == "completions" else 7)
+    assert "Input tokens per request:" in result.stdout
     assert report["duration_s"] > 0 and report["output_throughput"] > 0
     assert_stats(report["ttft_ms"], positive=True)
     assert_stats(report["e2e_ms"], positive=True)
@@ -80,6 +84,8 @@ def test_bench_agrees_with_the_server(request, tmp_path, endpoint):
         assert hops[hop]["count"] == NUM_PROMPTS, hop
         assert hops[hop]["mean_ms"] >= 0 and hops[hop]["p50_ms"] <= hops[hop]["p99_ms"]
     assert {hop for hop, row in hops.items() if row["engine"]} == {"engine_queue", "prefill", "report_out"}
+    # a hop is part of its request: its p99 is never past the requests' own
+    assert all(row["p99_ms"] <= report["e2e_ms"]["p99"] * (1 + 1e-9) for row in hops.values())
 
 
 def test_bench_without_the_api_key_fails_cleanly(api_server, tmp_path):

@@ -226,11 +226,19 @@ def test_json_report_schema_round_trips():
 
 STUB_TTFT_S = 0.08
 STUB_ITL_S = 0.02
+# a token is a word; like a real server, the stub's prompt counts add its "chat template" to a
+# message's words, and a BOS to a completion prompt's
+STUB_TEMPLATE_TOKENS = 7
 
 
-def _make_stub_app(fail_every: int | None = None) -> QuartTrio:
+def stub_prompt_tokens(text: str, chat: bool, special: bool = True) -> int:
+    return len(text.split()) + (STUB_TEMPLATE_TOKENS if chat else int(special))
+
+
+def _make_stub_app(fail_every: int | None = None, tokenize: bool = True) -> QuartTrio:
     """Streams max_tokens tokens: a role-only frame at once, the first token after STUB_TTFT_S,
-    then one every STUB_ITL_S. Every ``fail_every``-th request is answered 503."""
+    then one every STUB_ITL_S. Every ``fail_every``-th request is answered 503. ``/tokenize`` (vLLM's
+    shape) unless ``tokenize`` is false."""
     app = QuartTrio("stub")
     app.config["calls"] = 0
     app.config["ws_cancelled"] = []
@@ -242,6 +250,14 @@ def _make_stub_app(fail_every: int | None = None) -> QuartTrio:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
+
+    if tokenize:
+        @app.post("/tokenize")
+        async def tokenize_route():
+            body = await request.get_json()
+            if "messages" in body:
+                return {"count": stub_prompt_tokens(body["messages"][0]["content"], chat=True)}
+            return {"count": stub_prompt_tokens(body["prompt"], chat=False, special=body.get("add_special_tokens", True))}
 
     def frames(body: dict, chat: bool, received: float):
         def choice(text, role=None, finish=None):
@@ -264,8 +280,9 @@ def _make_stub_app(fail_every: int | None = None) -> QuartTrio:
                 sent["tokens"].append(time.perf_counter())  # bench's clock
                 yield {"choices": [choice(f" t{index}")]}
             yield {"choices": [choice(None, finish="length")]}
-            yield {"choices": [], "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": tokens,
-                                            "total_tokens": len(prompt.split()) + tokens}}
+            prompt_tokens = stub_prompt_tokens(prompt, chat)
+            yield {"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
+                                            "total_tokens": prompt_tokens + tokens}}
 
         return generate()
 
@@ -375,7 +392,7 @@ async def test_measured_ttft_and_itl_follow_the_servers_schedule(monkeypatch):
     # ITL are the gaps between token frames: a request's gaps add up to the stub's first-to-last token
     spans = [abs(sum(r.itl_s) - (s["tokens"][-1] - s["tokens"][0])) for r, s in zip(records, sent)]
     assert statistics.median(spans) < 0.05, spans
-    assert all(r.output_tokens == 10 and r.prompt_tokens == 12 for r in records)
+    assert all(r.output_tokens == 10 and r.prompt_tokens == 12 + STUB_TEMPLATE_TOKENS for r in records)
     # The stream ends right after the last token, so TPOT is close to the mean gap.
     assert statistics.median(abs(r.tpot_s / statistics.fmean(r.itl_s) - 1) for r in records) < 0.1
     # Two waves of 4 concurrent requests, each about TTFT + 9 ITL long.
@@ -407,7 +424,7 @@ async def test_ws_endpoint_measures_streams_over_one_connection():
         records, _ = await run_benchmark(config, make_prompts(4, 6, seed=0), "stub-model")
     assert all(r.success for r in records)
     assert all(r.ttft_s >= STUB_TTFT_S and len(r.itl_s) == 4 for r in records)
-    assert all(r.output_tokens == 5 and r.prompt_tokens == 6 for r in records)
+    assert all(r.output_tokens == 5 and r.prompt_tokens == 6 + STUB_TEMPLATE_TOKENS for r in records)
 
 
 # -- the WebSocket client -------------------------------------------------------------------------
@@ -433,7 +450,8 @@ async def test_ws_client_interleaves_concurrent_streams_on_one_connection():
     assert results["a"] == ["", " t0", " t1", " t2", " t3", None]
     assert results["b"][1:-1] == [f" t{i}" for i in range(6)]
     assert results["a-usage"]["completion_tokens"] == 4
-    assert results["b-usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+    assert results["b-usage"] == {"prompt_tokens": 3 + STUB_TEMPLATE_TOKENS, "completion_tokens": 6,
+                                  "total_tokens": 9 + STUB_TEMPLATE_TOKENS}
     # Run together, not one after the other: the stub streamed both at once (an event, not a time a busy
     # host could stretch).
     assert app.config["ws_most_active"] == 2
@@ -532,7 +550,7 @@ def test_cli_prints_report_and_writes_json_and_plot(tmp_path, capsys):
         bench.add_arguments(parser)
         args = parser.parse_args([
             "--base-url", state["url"] + "/v1/", "--num-prompts", "6", "--concurrency", "3", "--request-rate", "200",
-            "--input-len", "8", "--output-len", "4", "--ignore-eos", "--seed", "7", "--no-progress",
+            "--input-len", "20", "--output-len", "4", "--ignore-eos", "--seed", "7", "--no-progress",
             "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "out.png"),
         ])
         assert bench.main(args) == 0
@@ -555,7 +573,12 @@ def test_cli_prints_report_and_writes_json_and_plot(tmp_path, capsys):
     sent = state["app"].config["last_body"]
     assert sent["ignore_eos"] is True and sent["max_tokens"] == 4 and sent["temperature"] == 0
     assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
-    assert sent["model"] == "stub-model" and len(sent["messages"][0]["content"].split()) == 8
+    assert sent["model"] == "stub-model"
+    # --input-len is the prompt as the server counts it: 13 words and the stub's 7-token template
+    assert len(sent["messages"][0]["content"].split()) == 20 - STUB_TEMPLATE_TOKENS
+    assert {r["prompt_tokens"] for r in report["requests"]} == {20} and report["total_input_tokens"] == 6 * 20
+    assert report["prompt_overhead_tokens"] == STUB_TEMPLATE_TOKENS
+    assert "Input tokens per request:" in out and out.count(" 20 (template/BOS: 7)\n") == 1
 
 
 def test_cli_without_a_server_fails_cleanly(capsys):
@@ -610,3 +633,55 @@ def test_plot_without_matplotlib_fails_before_the_run(monkeypatch, capsys):
 def test_a_tokenizer_that_does_not_exist_is_named(capsys):
     assert run_cli("--base-url", "http://127.0.0.1:9", "--tokenizer", "/no/such/dir") == 2
     assert "--tokenizer /no/such/dir: no such file" in capsys.readouterr().err
+
+
+def run_cli_against_stub(tmp_path, *flags: str, **stub_options) -> dict:
+    """``tidal bench`` (its main) against a stub server in a thread; its JSON report."""
+    ready = threading.Event()
+    state: dict = {}
+
+    async def serve():
+        async with stub_server(**stub_options) as (url, app):
+            state["url"], state["token"] = url, trio.lowlevel.current_trio_token()
+            with trio.CancelScope() as scope:
+                state["scope"] = scope
+                ready.set()
+                await trio.sleep_forever()
+
+    thread = threading.Thread(target=trio.run, args=(serve,))
+    thread.start()
+    try:
+        assert ready.wait(30)
+        parser = argparse.ArgumentParser()
+        bench.add_arguments(parser)
+        out = tmp_path / "out.json"
+        args = parser.parse_args(["--base-url", state["url"], "--num-prompts", "3", "--output-len", "2",
+                                  "--no-progress", "--json", str(out), *flags])
+        code = bench.main(args)
+    finally:
+        trio.from_thread.run_sync(state["scope"].cancel, trio_token=state["token"])
+        thread.join(30)
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("endpoint, added", [("completions", 1), ("ws", STUB_TEMPLATE_TOKENS)])
+def test_input_len_counts_what_the_server_adds_on_every_endpoint(tmp_path, endpoint, added):
+    report = run_cli_against_stub(tmp_path, "--endpoint", endpoint, "--input-len", "10")
+    assert report["prompt_overhead_tokens"] == added
+    assert [r["prompt_tokens"] for r in report["requests"]] == [10, 10, 10]
+
+
+def test_without_tokenize_the_prompt_is_input_len_before_the_template_and_it_says_so(tmp_path, capsys):
+    report = run_cli_against_stub(tmp_path, "--input-len", "10", tokenize=False)
+    err = capsys.readouterr().err
+    assert "the server has no /tokenize" in err
+    assert report["prompt_overhead_tokens"] is None
+    # the report gives the true count, the server's: the template's tokens on top of --input-len
+    assert [r["prompt_tokens"] for r in report["requests"]] == [10 + STUB_TEMPLATE_TOKENS] * 3
+
+
+def test_an_input_len_shorter_than_the_template_is_named(tmp_path, capsys):
+    report = run_cli_against_stub(tmp_path, "--input-len", "5")
+    assert "adds 7 tokens to every prompt" in capsys.readouterr().err
+    assert [r["prompt_tokens"] for r in report["requests"]] == [STUB_TEMPLATE_TOKENS + 1] * 3

@@ -382,6 +382,29 @@ class _HTTPClients:
             await client.aclose()
 
 
+async def prompt_overhead(config: BenchConfig, model: str) -> int | None:
+    """Tokens the server adds around a prompt's own, asked of its ``/tokenize`` (tidal's and vLLM's):
+    the chat template's for ``chat`` and ``ws``, a BOS for ``completions``. The server counts a prompt's
+    tokens as its own plus these; None when the server has no ``/tokenize`` (SGLang) or refuses it."""
+    sample = " ".join(_WORDS[:8])
+    own = {"model": model, "prompt": sample, "add_special_tokens": False}
+    if config.endpoint == "completions":
+        served = {"model": model, "prompt": sample}
+    else:
+        served = {"model": model, "messages": [{"role": "user", "content": sample}]}
+    try:
+        async with httpx.AsyncClient(base_url=config.base_url, headers=_auth_headers(config.api_key)) as client:
+            counts = []
+            for body in (own, served):
+                response = await client.post("/tokenize", json=body, timeout=30.0)
+                if response.status_code != 200:
+                    return None
+                counts.append(int(response.json()["count"]))
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    return max(counts[1] - counts[0], 0)
+
+
 async def fetch_model(config: BenchConfig) -> str:
     """The first model the server lists at ``GET /v1/models``."""
     async with httpx.AsyncClient(base_url=config.base_url, headers=_auth_headers(config.api_key)) as client:
@@ -406,12 +429,18 @@ async def run_benchmark(
 
     async with _open_sender(config, model) as send:
 
+        async def timed(prompt: Prompt) -> RequestRecord:
+            sent = time.perf_counter()
+            record = await send(prompt)
+            record.elapsed_s = time.perf_counter() - sent
+            return record
+
         async def one(index: int, prompt: Prompt) -> None:
             if limiter is None:
-                records[index] = await send(prompt)
+                records[index] = await timed(prompt)
             else:
                 async with limiter:
-                    records[index] = await send(prompt)
+                    records[index] = await timed(prompt)
             if on_done is not None:
                 on_done(records[index])
 
@@ -454,11 +483,14 @@ async def _scrape_hops_after(config: BenchConfig, before: HopSnapshot | None, nu
 # -- output -------------------------------------------------------------------------------------
 
 
-def build_report(config: BenchConfig, model: str, records: list[RequestRecord], duration_s: float) -> dict[str, Any]:
-    """The full result, as written by ``--json``: config, aggregates, and one entry per request."""
+def build_report(config: BenchConfig, model: str, records: list[RequestRecord], duration_s: float,
+                 prompt_overhead: int | None = None) -> dict[str, Any]:
+    """The full result, as written by ``--json``: config, aggregates, and one entry per request.
+    ``prompt_overhead``: the tokens the server adds to each prompt (chat template, BOS), if known."""
     return {
         "config": config.to_json(),
         "model": model,
+        "prompt_overhead_tokens": prompt_overhead,
         **summarize(records, duration_s),
         "requests": [record.to_json() for record in records],
     }
@@ -480,6 +512,7 @@ def format_report(report: dict[str, Any]) -> str:
         ("Failed requests", str(report["failed"])),
         ("Duration (s)", num(report["duration_s"])),
         ("Total input tokens", "-" if report["total_input_tokens"] is None else str(report["total_input_tokens"])),
+        ("Input tokens per request", _input_per_request(report)),
         ("Total output tokens", str(report["total_output_tokens"])),
         ("Request throughput (req/s)", num(report["request_throughput"])),
         ("Output token throughput (tok/s)", num(report["output_throughput"])),
@@ -505,6 +538,18 @@ def format_report(report: dict[str, Any]) -> str:
         lines += [row(f"Errors by {name}", str(n)) for name, n in errors["by_exception"].items()]
     lines.append("=" * width)
     return "\n".join(lines)
+
+
+def _input_per_request(report: dict[str, Any]) -> str:
+    """The prompt tokens one request had as the server counted them (its usage), and what of that the
+    server added (the chat template, BOS), when it said."""
+    counts = [r["prompt_tokens"] for r in report["requests"] if r["success"] and r["prompt_tokens"] is not None]
+    if not counts:
+        return "-"
+    low, high = min(counts), max(counts)
+    text = str(low) if low == high else f"{low}-{high}"
+    added = report.get("prompt_overhead_tokens")
+    return text if added is None else f"{text} (template/BOS: {added})"
 
 
 def write_plot(report: dict[str, Any], path: str) -> None:
@@ -577,8 +622,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", type=_positive_float, default=math.inf,
                         help="mean requests per second, Poisson arrivals; inf sends all at once (default)")
     parser.add_argument("--input-len", type=_positive_int, default=256,
-                        help="prompt length in tokens of the model's tokenizer (words if none is found; "
-                             "default: 256)")
+                        help="prompt length in tokens as the server counts them, chat template and BOS "
+                             "included (asked of its /tokenize); in tokens of the model's tokenizer, or "
+                             "words if none is found (default: 256)")
     parser.add_argument("--output-len", type=_positive_int, default=128, help="max_tokens per request (default: 128)")
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
@@ -642,7 +688,18 @@ async def _main(config: BenchConfig, args: argparse.Namespace) -> int:
         else:
             print(f"tidal bench: no tokenizer found for model {model!r}: --input-len counts words "
                   "(pass --tokenizer DIR for exact token counts)", file=sys.stderr)
-    prompts = make_prompts(config.num_prompts, config.input_len, config.seed, config.tokenizer)
+    # --input-len is the prompt as the server counts it, chat template and BOS included: ask the
+    # server how many tokens it adds and make each prompt's own text that many tokens shorter
+    overhead = await prompt_overhead(config, model)
+    if overhead is None:
+        print("tidal bench: the server has no /tokenize to say what its chat template adds: prompts are "
+              "--input-len tokens before it (the report's input tokens are the server's count)", file=sys.stderr)
+    elif overhead >= config.input_len:
+        print(f"tidal bench: the server adds {overhead} tokens to every prompt (chat template, BOS): "
+              f"--input-len {config.input_len} is too short to hold them; each prompt is "
+              f"{overhead + 1} tokens", file=sys.stderr)
+    own_len = max(config.input_len - (overhead or 0), 1)
+    prompts = make_prompts(config.num_prompts, own_len, config.seed, config.tokenizer)
     hops_before = await scrape_hops(config)
     with tqdm(total=len(prompts), file=sys.stderr, disable=args.no_progress, unit="req") as progress:
         try:
@@ -652,10 +709,12 @@ async def _main(config: BenchConfig, args: argparse.Namespace) -> int:
             reason = exc.__cause__ or exc.__context__ or exc  # HandshakeError hides the OSError
             print(f"tidal bench: cannot connect to {_ws_url(config.base_url)}: {_describe(reason)}", file=sys.stderr)
             return 1
-    report = build_report(config, model, records, duration)
+    report = build_report(config, model, records, duration, overhead)
     hops_after = await _scrape_hops_after(config, hops_before, len(records))
     if hops_before is not None and hops_after is not None:
-        report["hops"] = breakdown(hops_before, hops_after)
+        # each request's time as the report gives it (E2E), or until it failed: no hop of it lasted longer
+        spans = [r.e2e_s if r.success else r.elapsed_s for r in records]
+        report["hops"] = breakdown(hops_before, hops_after, [t for t in spans if t is not None])
     print(format_report(report))
     if report.get("hops"):
         print(format_breakdown(report["hops"]))

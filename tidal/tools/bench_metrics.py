@@ -82,6 +82,7 @@ class RequestRecord:
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     e2e_s: float | None = None
+    elapsed_s: float | None = None  # send to the end of the exchange, failed or not (bounds the server's hops)
 
     @property
     def tpot_s(self) -> float | None:
