@@ -3,12 +3,15 @@
 
 const $ = (id) => document.getElementById(id);
 const STATE_POLL_MS = 500;
+const STATE_TIMEOUT_MS = 2000;  // a /state poll unanswered this long: the server is unreachable (hung or gone)
+const FOLLOW_SLACK_PX = 40;     // this close to the bottom, the list follows new text; scrolled further up, it stays
 const BUILT_IN_MODELS = { "tidal-tiny": "has random weights", "tidal-test": "is a timing model with no network" };
 
 const conversation = [];   // the {role, content} turns sent with every request
 let socket = null;         // the open (or opening) WebSocket
 let socketOpen = null;     // a promise of it being open
-let answer = null;         // the answer streaming now: {id, body, el, text, sentAt, firstAt, lastAt, chunks}
+let answer = null;         // the answer streaming now: {id, body, el, textEl, text, pending, stopping, sentAt,
+                           //                              firstAt, lastAt, chunks}
 let retryBody = null;      // a request refused for want of an API key, resent once a key is given
 let nextId = 1;
 let apiKey = sessionStorage.getItem("tidal-api-key") || "";
@@ -55,19 +58,21 @@ function onMessage(message) {
   if (message.type === "error" && message.id === null) return onConnectionError(message);
   if (!answer || message.id !== answer.id) return;  // a late message of an earlier answer
   if (message.type === "chunk") {
+    if (answer.stopping) return;  // Stop was clicked: what was on screen then is the answer
     const choice = message.data.choices[0];
     const text = (choice.delta && choice.delta.content) || choice.text || "";
     const now = performance.now();
     if (answer.firstAt === null) answer.firstAt = now;
     answer.lastAt = now;
     answer.chunks += 1;
-    answer.text += text;
-    answer.el.querySelector(".text").textContent = answer.text;
-    showStats(null);
-    scrollDown();
+    answer.pendingChunks += 1;
+    answer.pending += text;  // drawn at the next frame, with every other chunk that came before it
+    requestFrame();
   } else if (message.type === "done") {
     if (message.cancelled) {
       endAnswer("stopped", "Stopped. The server aborted the request and freed its KV cache blocks.");
+    } else if (answer.stopping) {  // the cancel crossed the answer's end: nothing was left to abort
+      endAnswer("stopped", "Stopped. The server had already finished this answer; the rest is not shown.");
     } else {
       endAnswer("done", null, message.usage);
       if (message.hops) showHops(message.hops, message.id);
@@ -106,28 +111,39 @@ async function send(body) {
   const el = addMessage("assistant", "");
   el.classList.add("streaming");
   el.dataset.answer = "ui-" + nextId;
-  answer = { id: "ui-" + nextId++, body, el, text: "", sentAt: performance.now(), firstAt: null, lastAt: null,
-             chunks: 0 };
+  answer = { id: "ui-" + nextId++, body, el, textEl: el.querySelector(".text"), text: "", pending: "",
+             pendingChunks: 0, stopping: false, sentAt: performance.now(), firstAt: null, lastAt: null, chunks: 0 };
+  scrollToEnd();  // the user's message and the answer to come, even if the list was scrolled up
   $("send").disabled = true;
   $("stop").disabled = false;
+  const mine = answer;
   try {
     const ws = await connect();
+    if (answer !== mine) return;  // ended while connecting (the connection closed)
+    if (mine.stopping) return endAnswer("stopped", "Stopped before it was sent.");
     ws.send(JSON.stringify({ type: "request", id: answer.id, endpoint: "chat.completions", body }));
   } catch (error) {
-    endAnswer("error", "Cannot reach the server: " + error.message);
+    if (answer === mine) endAnswer("error", "Cannot reach the server: " + error.message);
   }
 }
 
 function stop() {
-  if (!answer || !socket) return;
-  socket.send(JSON.stringify({ type: "cancel", id: answer.id }));
+  if (!answer || answer.stopping) return;
+  // The answer stops growing now: chunks already received but not drawn, and any still on their way,
+  // are dropped. However far the page is behind the server, Stop means what is on screen.
+  answer.stopping = true;
+  answer.chunks -= answer.pendingChunks;  // "~N tokens" counts what the page shows
+  answer.pending = "";
+  answer.pendingChunks = 0;
   $("stop").disabled = true;
   notice(answer.el, "stopped", "Stopping...");
+  if (socket && socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify({ type: "cancel", id: answer.id }));
 }
 
 function endAnswer(how, text, usage) {
   const current = answer;
   answer = null;
+  drawPending(current);  // what arrived before the end, not yet drawn
   current.el.classList.remove("streaming");
   const stillShown = current.el.isConnected;  // false once "New chat" cleared it mid-stream
   if (how === "error") {
@@ -139,8 +155,20 @@ function endAnswer(how, text, usage) {
   if (text) notice(current.el, how, text);
   else current.el.querySelector(".answer-notice")?.remove();
   if (current.firstAt !== null) showStats(usage, current);
+  if (how === "error" && stillShown) {
+    scrollToEnd();  // the error is where the user looks: in view, next to the input
+    giveBackQuestion(current);
+  }
   $("send").disabled = false;
   $("stop").disabled = true;
+}
+
+// A question the server refused goes back into the empty input, to be fixed (or just resent).
+function giveBackQuestion(which) {
+  const question = which.el.previousElementSibling;
+  if (question && question.classList.contains("user") && !$("prompt").value) {
+    $("prompt").value = question.querySelector(".text").textContent;
+  }
 }
 
 function showStats(usage, which = answer) {
@@ -188,6 +216,52 @@ function showHops(hops, id) {
   el.appendChild(box);
 }
 
+// ------------------------------------------------------------------ drawing, once a frame
+
+// Chunks arrive faster than a screen refreshes (hundreds a second): each adds to the answer's
+// pending text, and one animation frame draws all of it as one appended text node (never rewriting
+// what is already there) and scrolls once. The main thread stays free for the Stop button.
+let frameRequested = false;
+let scrollWanted = null;  // null: no scroll this frame; "follow": if the user was at the bottom; "end": always
+
+function requestFrame() {
+  if (frameRequested) return;
+  frameRequested = true;
+  requestAnimationFrame(drawFrame);
+}
+
+function drawFrame() {
+  frameRequested = false;
+  const list = $("messages");
+  // read before writing: whether the user was following the end (one layout, not one per chunk)
+  const following = list.scrollHeight - list.scrollTop - list.clientHeight <= FOLLOW_SLACK_PX;
+  if (answer && answer.pending) {
+    drawPending(answer);
+    showStats(null);
+    if (!scrollWanted) scrollWanted = "follow";
+  }
+  if (scrollWanted === "end" || (scrollWanted === "follow" && following)) list.scrollTop = list.scrollHeight;
+  scrollWanted = null;
+}
+
+function drawPending(which) {
+  if (!which.pending) return;
+  which.textEl.appendChild(document.createTextNode(which.pending));
+  which.text += which.pending;
+  which.pending = "";
+  which.pendingChunks = 0;
+}
+
+function scrollToEnd() {
+  scrollWanted = "end";
+  requestFrame();
+}
+
+function followEnd() {
+  if (scrollWanted !== "end") scrollWanted = "follow";
+  requestFrame();
+}
+
 // ------------------------------------------------------------------ the page
 
 function addMessage(role, text) {
@@ -198,7 +272,7 @@ function addMessage(role, text) {
   body.textContent = text;
   li.appendChild(body);
   $("messages").appendChild(li);
-  scrollDown();
+  followEnd();
   return li;
 }
 
@@ -210,16 +284,13 @@ function notice(el, kind, text) {
   }
   box.className = "answer-notice " + kind;
   box.textContent = text;
-}
-
-function scrollDown() {
-  const list = $("messages");
-  list.scrollTop = list.scrollHeight;
+  followEnd();
 }
 
 function requestBody() {
   const body = { messages: conversation.slice(), max_tokens: parseInt($("max-tokens").value, 10) || 256,
                  temperature: parseFloat($("temperature").value) };
+  // empty: the server's default, which is the model's own (its generation config) where it has one
   if (Number.isNaN(body.temperature)) delete body.temperature;
   const seed = $("seed").value.trim();
   if (seed !== "") body.seed = parseInt(seed, 10);
@@ -287,31 +358,64 @@ function kvBarFraction(used, total) {
 }
 
 let modelShown = false;
+let lastAnswered = null;  // when /state last answered (Date.now()), for "unreachable since"
+
+async function fetchState() {
+  const abort = new AbortController();
+  const timer = setTimeout(() => abort.abort(), STATE_TIMEOUT_MS);  // a hung server never answers
+  try {
+    const response = await fetch("/state", { cache: "no-store", signal: abort.signal });
+    if (!response.ok) throw new Error(`/state answered ${response.status}`);
+    return await response.json();
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+function showState(state) {
+  $("state-running").textContent = state.requests_running;
+  $("state-waiting").textContent = state.requests_waiting;
+  const percent = (state.kv_usage * 100).toFixed(1);
+  $("state-kv").textContent = `${state.kv_blocks_used} / ${state.kv_blocks_total} blocks (${percent}%)`;
+  $("state-kv-bar").style.width = (kvBarFraction(state.kv_blocks_used, state.kv_blocks_total) * 100) + "%";
+  reasons($("state-aborted"), state.aborted_last_minute);
+  reasons($("state-rejected"), state.rejected_last_minute);
+  $("server-card").classList.remove("unreachable");
+  $("state-status").textContent = "";
+  if (!modelShown) {
+    modelShown = true;
+    $("model").textContent = state.model;
+    const why = BUILT_IN_MODELS[state.model];
+    if (why) {
+      $("model-note").hidden = false;
+      $("model-note").textContent = `${state.model} ${why}: its answers are word salad. ` +
+        "Serve a real model with: tidal serve --model /path/to/hf-model-dir";
+    }
+  }
+}
+
+// No answer from /state: the last numbers are not the server's now. They go, and the panel says since when.
+function showUnreachable(why) {
+  for (const id of ["state-running", "state-waiting", "state-kv"]) $(id).textContent = "-";
+  $("state-kv-bar").style.width = "0";
+  for (const id of ["state-aborted", "state-rejected"]) {
+    const li = document.createElement("li");
+    li.className = "muted";
+    li.textContent = "-";
+    $(id).replaceChildren(li);
+  }
+  $("server-card").classList.add("unreachable");
+  const since = lastAnswered ? ` (last answer ${Math.round((Date.now() - lastAnswered) / 1000)} s ago)` : "";
+  $("state-status").textContent = `unreachable${since}`;
+  $("state-status").title = why;
+}
 
 async function pollState() {
   try {
-    const response = await fetch("/state", { cache: "no-store" });
-    const state = await response.json();
-    $("state-running").textContent = state.requests_running;
-    $("state-waiting").textContent = state.requests_waiting;
-    const percent = (state.kv_usage * 100).toFixed(1);
-    $("state-kv").textContent = `${state.kv_blocks_used} / ${state.kv_blocks_total} blocks (${percent}%)`;
-    $("state-kv-bar").style.width = (kvBarFraction(state.kv_blocks_used, state.kv_blocks_total) * 100) + "%";
-    reasons($("state-aborted"), state.aborted_last_minute);
-    reasons($("state-rejected"), state.rejected_last_minute);
-    $("state-status").textContent = "";
-    if (!modelShown) {
-      modelShown = true;
-      $("model").textContent = state.model;
-      const why = BUILT_IN_MODELS[state.model];
-      if (why) {
-        $("model-note").hidden = false;
-        $("model-note").textContent = `${state.model} ${why}: its answers are word salad. ` +
-          "Serve a real model with: tidal serve --model /path/to/hf-model-dir";
-      }
-    }
+    showState(await fetchState());
+    lastAnswered = Date.now();
   } catch (error) {
-    $("state-status").textContent = "(unreachable)";
+    showUnreachable(error.name === "AbortError" ? `no answer within ${STATE_TIMEOUT_MS / 1000} s` : error.message);
   }
   setTimeout(pollState, STATE_POLL_MS);
 }
