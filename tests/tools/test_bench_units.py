@@ -251,13 +251,21 @@ def _make_stub_app(fail_every: int | None = None, tokenize: bool = True) -> Quar
     async def models():
         return {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
 
-    if tokenize:
+    if tokenize:  # a word is a token: its id is its place in bench's word list; the template's and BOS are -1
         @app.post("/tokenize")
         async def tokenize_route():
             body = await request.get_json()
             if "messages" in body:
-                return {"count": stub_prompt_tokens(body["messages"][0]["content"], chat=True)}
-            return {"count": stub_prompt_tokens(body["prompt"], chat=False, special=body.get("add_special_tokens", True))}
+                text, count = body["messages"][0]["content"], stub_prompt_tokens(body["messages"][0]["content"], True)
+            else:
+                text = body["prompt"]
+                count = stub_prompt_tokens(text, chat=False, special=body.get("add_special_tokens", True))
+            ids = [bench._WORDS.index(word) for word in text.split()]
+            return {"count": count, "tokens": [-1] * (count - len(ids)) + ids}
+
+        @app.post("/detokenize")
+        async def detokenize_route():
+            return {"prompt": " ".join(bench._WORDS[i] for i in (await request.get_json())["tokens"] if i >= 0)}
 
     def frames(body: dict, chat: bool, received: float):
         def choice(text, role=None, finish=None):
@@ -560,8 +568,8 @@ def test_cli_prints_report_and_writes_json_and_plot(tmp_path, capsys):
     captured = capsys.readouterr()
     out = captured.out
     assert "TTFT" in out and "stub-model" in out
-    # a model it has no tokenizer for: it says prompts are counted in words
-    assert "no tokenizer found for model 'stub-model': --input-len counts words" in captured.err
+    # a model with no local tokenizer: prompts are cut with the server's own, through its /tokenize
+    assert "no tokenizer found" not in captured.err
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["model"] == "stub-model"  # found via GET /v1/models
     assert report["completed"] == 6 and report["total_output_tokens"] == 24
@@ -578,6 +586,7 @@ def test_cli_prints_report_and_writes_json_and_plot(tmp_path, capsys):
     assert len(sent["messages"][0]["content"].split()) == 20 - STUB_TEMPLATE_TOKENS
     assert {r["prompt_tokens"] for r in report["requests"]} == {20} and report["total_input_tokens"] == 6 * 20
     assert report["prompt_overhead_tokens"] == STUB_TEMPLATE_TOKENS
+    assert report["config"]["tokenizer"] == bench.SERVER_TOKENIZER
     assert "Input tokens per request:" in out and out.count(" 20 (template/BOS: 7)\n") == 1
 
 
@@ -632,7 +641,13 @@ def test_plot_without_matplotlib_fails_before_the_run(monkeypatch, capsys):
 
 def test_a_tokenizer_that_does_not_exist_is_named(capsys):
     assert run_cli("--base-url", "http://127.0.0.1:9", "--tokenizer", "/no/such/dir") == 2
-    assert "--tokenizer /no/such/dir: no such file" in capsys.readouterr().err
+    assert "--tokenizer /no/such/dir: no such .json file" in capsys.readouterr().err
+
+
+def test_a_served_gguf_file_is_no_tokenizer_json(tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert bench.resolve_tokenizer(str(gguf)) is None  # the server's own tokenizer is asked instead
 
 
 def run_cli_against_stub(tmp_path, *flags: str, **stub_options) -> dict:
@@ -676,7 +691,8 @@ def test_without_tokenize_the_prompt_is_input_len_before_the_template_and_it_say
     report = run_cli_against_stub(tmp_path, "--input-len", "10", tokenize=False)
     err = capsys.readouterr().err
     assert "the server has no /tokenize" in err
-    assert report["prompt_overhead_tokens"] is None
+    assert "no tokenizer found for model 'stub-model': --input-len counts words" in err
+    assert report["prompt_overhead_tokens"] is None and report["config"]["tokenizer"] is None
     # the report gives the true count, the server's: the template's tokens on top of --input-len
     assert [r["prompt_tokens"] for r in report["requests"]] == [10 + STUB_TEMPLATE_TOKENS] * 3
 

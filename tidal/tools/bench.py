@@ -107,14 +107,17 @@ class Prompt:
 # -- prompts ------------------------------------------------------------------------------------
 
 
-def make_prompts(count: int, input_len: int, seed: int, tokenizer_dir: str | None = None) -> list[Prompt]:
+def make_prompts(count: int, input_len: int, seed: int, tokenizer_dir: str | None = None,
+                 tokenizer: Any = None) -> list[Prompt]:
     """``count`` distinct random prompts of about ``input_len`` words, the same for the same seed.
 
-    With ``tokenizer_dir`` (a folder holding ``tokenizer.json``) each prompt is cut to exactly
-    ``input_len`` tokens of that tokenizer (special tokens and chat templates excluded).
+    With ``tokenizer_dir`` (a folder holding ``tokenizer.json``) or a ``tokenizer`` (anything with
+    ``tokenizers.Tokenizer``'s ``encode``/``decode``, such as :class:`ServerTokenizer`) each prompt is
+    cut to exactly ``input_len`` tokens of it (special tokens and chat templates excluded).
     """
     rng = random.Random(f"prompts-{seed}")
-    tokenizer = _load_tokenizer(tokenizer_dir) if tokenizer_dir else None
+    if tokenizer_dir:
+        tokenizer = _load_tokenizer(tokenizer_dir)
     prompts = []
     for _ in range(count):
         # A few spare words so a tokenizer that merges words still has input_len tokens to cut.
@@ -129,13 +132,47 @@ _BUILT_IN_MODELS = ("tidal-tiny", "tidal-test")  # tidal's embedded models share
 
 
 def resolve_tokenizer(name: str) -> Path | None:
-    """The tokenizer.json of a model: tidal's built-in ones by name, or a local folder or file."""
+    """The tokenizer.json of a model: tidal's built-in ones by name, or a local folder or .json file
+    (a served GGUF file's name is no tokenizer.json: None, and the server's own is asked instead)."""
     if name in _BUILT_IN_MODELS:
         return _BUILT_IN_TOKENIZER
     path = Path(name).expanduser()
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return path / "tokenizer.json"
-    return path if path.is_file() else None
+    return path if path.is_file() and path.suffix == ".json" else None
+
+
+SERVER_TOKENIZER = "server"  # BenchConfig.tokenizer when prompts were cut with the server's /tokenize
+
+
+class ServerTokenizer:
+    """The server's own tokenizer through its ``/tokenize`` and ``/detokenize`` (tidal's, vLLM's), in the
+    shape :func:`make_prompts` uses of a ``tokenizers.Tokenizer``: for a model with no local
+    tokenizer.json (a GGUF file, a hub name). Blocking calls: run it on a thread."""
+
+    def __init__(self, config: BenchConfig, model: str):
+        self._model = model
+        self._client = httpx.Client(base_url=config.base_url, headers=_auth_headers(config.api_key), timeout=60.0)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> Any:
+        answer = self._post("/tokenize", {"model": self._model, "prompt": text, "add_special_tokens": add_special_tokens})
+        return _Encoding(answer["tokens"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self._post("/detokenize", {"model": self._model, "tokens": list(ids)})["prompt"]
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = self._client.post(path, json=body)
+        response.raise_for_status()
+        return response.json()
+
+    def close(self) -> None:
+        self._client.close()
+
+
+@dataclass(frozen=True)
+class _Encoding:
+    ids: list[int]
 
 
 def normalize_base_url(url: str) -> str:
@@ -630,7 +667,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="tokenizer for exact --input-len prompts: a folder with tokenizer.json, the file, or "
                              "tidal-tiny (default: the served model's, when it is a built-in model or a local "
-                             "folder)")
+                             "folder; else the server's own, through its /tokenize)")
     parser.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals (default: 0)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write aggregates and per-request records")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
@@ -650,7 +687,7 @@ def main(args: argparse.Namespace) -> int:
     if args.tokenizer is not None:
         tokenizer = resolve_tokenizer(args.tokenizer)
         if tokenizer is None:
-            print(f"tidal bench: --tokenizer {args.tokenizer}: no such file, and no folder holding tokenizer.json "
+            print(f"tidal bench: --tokenizer {args.tokenizer}: no such .json file, and no folder holding tokenizer.json "
                   "(give a folder with tokenizer.json, the file itself, or tidal-tiny)", file=sys.stderr)
             return 2
     config = BenchConfig(
@@ -681,16 +718,18 @@ async def _main(config: BenchConfig, args: argparse.Namespace) -> int:
             print(f"tidal bench: cannot list models at {config.base_url}/v1/models: {_describe(exc)}",
                   file=sys.stderr)
             return 1
-    if config.tokenizer is None:
-        found = resolve_tokenizer(model)
-        if found is not None:
-            config = replace(config, tokenizer=str(found))
-        else:
-            print(f"tidal bench: no tokenizer found for model {model!r}: --input-len counts words "
-                  "(pass --tokenizer DIR for exact token counts)", file=sys.stderr)
     # --input-len is the prompt as the server counts it, chat template and BOS included: ask the
     # server how many tokens it adds and make each prompt's own text that many tokens shorter
     overhead = await prompt_overhead(config, model)
+    if config.tokenizer is None:  # the model's local tokenizer.json, else the server's own, else words
+        found = resolve_tokenizer(model)
+        if found is not None:
+            config = replace(config, tokenizer=str(found))
+        elif overhead is not None:
+            config = replace(config, tokenizer=SERVER_TOKENIZER)
+        else:
+            print(f"tidal bench: no tokenizer found for model {model!r}: --input-len counts words "
+                  "(pass --tokenizer DIR for exact token counts)", file=sys.stderr)
     if overhead is None:
         print("tidal bench: the server has no /tokenize to say what its chat template adds: prompts are "
               "--input-len tokens before it (the report's input tokens are the server's count)", file=sys.stderr)
@@ -699,7 +738,18 @@ async def _main(config: BenchConfig, args: argparse.Namespace) -> int:
               f"--input-len {config.input_len} is too short to hold them; each prompt is "
               f"{overhead + 1} tokens", file=sys.stderr)
     own_len = max(config.input_len - (overhead or 0), 1)
-    prompts = make_prompts(config.num_prompts, own_len, config.seed, config.tokenizer)
+    if config.tokenizer == SERVER_TOKENIZER:
+        server_tokenizer = ServerTokenizer(config, model)
+        try:
+            prompts = await trio.to_thread.run_sync(
+                lambda: make_prompts(config.num_prompts, own_len, config.seed, tokenizer=server_tokenizer))
+        except httpx.HTTPError as exc:
+            print(f"tidal bench: cannot cut prompts with the server's /tokenize: {_describe(exc)}", file=sys.stderr)
+            return 1
+        finally:
+            server_tokenizer.close()
+    else:
+        prompts = make_prompts(config.num_prompts, own_len, config.seed, config.tokenizer)
     hops_before = await scrape_hops(config)
     with tqdm(total=len(prompts), file=sys.stderr, disable=args.no_progress, unit="req") as progress:
         try:
