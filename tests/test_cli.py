@@ -103,3 +103,36 @@ def test_tensor_parallel_flags_that_cannot_work_are_refused_before_anything_star
     ]:
         result = run_serve(*args)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
+
+
+def test_lora_flags_that_cannot_work_are_refused_before_anything_starts(tmp_path):
+    for args, message in [
+        (("--lora-modules", "a=/x"), "--lora-modules and --enable-lora-runtime-updates need --enable-lora"),
+        (("--enable-lora", "--lora-modules", "a"), "--lora-modules 'a': expected name=path or a JSON object"),
+        (("--enable-lora", "--lora-modules", '{"name": "a"}'), 'the JSON form needs string "name" and "path"'),
+        (("--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"), "--max-cpu-loras (2) must be at least --max-loras (4)"),
+        (("--enable-lora", "--lora-modules", "a=/x", "a=/y"), "each adapter needs its own name"),
+        (("--enable-lora", "--max-lora-rank", "0"), "--max-loras and --max-lora-rank must be at least 1"),
+    ]:
+        result = run_serve(*args)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
+    # a bad adapter stops the start with the engine's one line, no traceback
+    (tmp_path / "adapter_config.json").write_text('{"r": 8, "use_dora": true}')
+    bad = run_serve("--model", "tidal-tiny", "--enable-lora", "--lora-modules", f"d={tmp_path}", "--port", "0")
+    assert bad.returncode == 3 and "LoRA adapter 'd': use_dora (True) is not supported" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_lora_flags_reach_the_config():
+    from tidal.cli import add_serve_arguments, server_config
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    config = server_config(parser.parse_args([
+        "--enable-lora", "--lora-modules", "a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}',
+        "--max-loras", "3", "--max-lora-rank", "32", "--max-cpu-loras", "5", "--enable-lora-runtime-updates",
+        "--lora-allowed-dirs", "/d1, /d2"]))
+    assert config.lora_modules == (("a", "/x", None), ("b", "/y", "m")) and config.lora_runtime_updates
+    assert (config.engine.max_loras, config.engine.max_lora_rank, config.engine.max_cpu_loras) == (3, 32, 5)
+    assert config.lora_allowed_dirs == ("/d1", "/d2") and config.max_loaded_adapters == 5

@@ -6,6 +6,7 @@ import argparse
 import difflib
 import logging
 import math
+import os
 import sys
 
 from tidal.wire import EngineConfig
@@ -106,6 +107,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "keeps the server's behaviour of exiting with code 3 when its engine dies.")
     g.add_argument("--min-step-time", type=float, default=0.0, help=argparse.SUPPRESS)  # test model knob
 
+    g = p.add_argument_group("LoRA adapters (see docs/lora.md)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="Serve LoRA adapters: a request's 'model' names the adapter it runs through.")
+    g.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                   help="Adapters to serve from the start, each name=path (a PEFT directory) or vLLM's JSON form "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'.")
+    g.add_argument("--max-loras", type=int, default=1,
+                   help="Most adapters in one engine step (default 1); a request for another waits its turn.")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="Largest adapter rank served (default 16).")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="Adapters each engine keeps loaded (default: --max-loras); more in use at once is a 503.")
+    g.add_argument("--enable-lora-runtime-updates", action="store_true",
+                   default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                   help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).")
+    g.add_argument("--lora-allowed-dirs", default="", metavar="DIR[,DIR...]",
+                   help="Directories a runtime load may read adapters from (none by default: every path is refused).")
+
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")
     g.add_argument("--port", type=int, default=8000, help="Port to bind (default 8000; 0 picks a free one).")
@@ -173,7 +192,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def server_config(args: argparse.Namespace):
-    from tidal.config import ServerConfig
+    from tidal.config import ServerConfig, parse_lora_module
 
     gib = 1 << 30
     engine = EngineConfig(
@@ -201,6 +220,9 @@ def server_config(args: argparse.Namespace):
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        max_loras=args.max_loras if args.enable_lora else 0,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras or 0,
     )
     return ServerConfig(
         engine=engine,
@@ -230,6 +252,10 @@ def server_config(args: argparse.Namespace):
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         vllm_metric_names=args.vllm_metric_names,
+        enable_lora=args.enable_lora,
+        lora_modules=tuple(parse_lora_module(entry) for entry in args.lora_modules),
+        lora_runtime_updates=args.enable_lora_runtime_updates and args.enable_lora,
+        lora_allowed_dirs=tuple(d.strip() for d in args.lora_allowed_dirs.split(",") if d.strip()),
     )
 
 

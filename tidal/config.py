@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -41,6 +42,11 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP URL for request spans (docs/tracing.md); None: off
     vllm_metric_names: bool = False  # also export the engine gauges as vllm:* (docs/scaling.md)
+    # LoRA adapters (docs/lora.md); the engine's bounds are EngineConfig.max_loras, max_lora_rank, max_cpu_loras
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str, str | None], ...] = ()  # (name, path, base_model_name or None)
+    lora_runtime_updates: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    lora_allowed_dirs: tuple[str, ...] = ()  # where a runtime load may read from
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -62,6 +68,29 @@ class ServerConfig:
             raise ValueError("--max-stream-buffer-bytes and --stream-stall-timeout must be positive")
         if not (self.engine_heartbeat_timeout > 0 and self.engine_step_timeout > 0):
             raise ValueError("--engine-heartbeat-timeout and --engine-step-timeout must be positive")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        engine = self.engine
+        if not self.enable_lora:
+            if self.lora_modules or self.lora_runtime_updates or engine.max_loras:
+                raise ValueError("--lora-modules and --enable-lora-runtime-updates need --enable-lora")
+            return
+        if engine.max_loras < 1 or engine.max_lora_rank < 1:
+            raise ValueError("--max-loras and --max-lora-rank must be at least 1")
+        if engine.max_cpu_loras and engine.max_cpu_loras < engine.max_loras:
+            raise ValueError(f"--max-cpu-loras ({engine.max_cpu_loras}) must be at least --max-loras "
+                             f"({engine.max_loras}): the adapters of one step stay loaded")
+        if engine.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters run without tensor parallelism (--tensor-parallel-size 1)")
+        names = [name for name, _, _ in self.lora_modules]
+        if len(set(names)) != len(names) or self.model_name in names:
+            raise ValueError("--lora-modules: each adapter needs its own name, not the base model's")
+
+    @property
+    def max_loaded_adapters(self) -> int:
+        """Adapters each engine keeps loaded (--max-cpu-loras, else --max-loras)."""
+        return self.engine.max_cpu_loras or self.engine.max_loras
 
     @property
     def model_name(self) -> str:
@@ -72,3 +101,22 @@ class ServerConfig:
         if self.engine_restarts is not None:
             return self.engine_restarts
         return 5 if self.data_parallel_size > 1 else 0
+
+
+def parse_lora_module(text: str) -> tuple[str, str, str | None]:
+    """``--lora-modules`` entry: ``name=path`` or vLLM's JSON ``{"name", "path", "base_model_name"}``."""
+    if text.lstrip().startswith("{"):
+        try:
+            entry = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules {text!r}: not JSON ({exc})") from None
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not isinstance(entry.get("path"), str):
+            raise ValueError(f"--lora-modules {text!r}: the JSON form needs string \"name\" and \"path\"")
+        base = entry.get("base_model_name")
+        if base is not None and not isinstance(base, str):
+            raise ValueError(f"--lora-modules {text!r}: base_model_name must be a string")
+        return entry["name"], entry["path"], base
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules {text!r}: expected name=path or a JSON object")
+    return name, path, None

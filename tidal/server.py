@@ -27,6 +27,7 @@ from functools import partial
 
 import hypercorn.config
 import hypercorn.trio
+import msgspec
 import trio
 from prometheus_client import Counter, Gauge
 
@@ -42,6 +43,7 @@ from tidal.http.request_scope import request_scope_middleware
 from tidal.observe.trace_recorder import TraceRecorder
 from tidal.observe.metrics import Metrics
 from tidal.engines.replicas import ReplicaSet, replica_config
+from tidal.registry.adapters import AdapterRegistry
 from tidal.engines.router import Router
 from tidal.observe.server_state import ServerState
 from tidal.tokenizer import PromptTokenizer
@@ -62,9 +64,16 @@ class Server:
         # admission bounds what all replicas hold together; any one replica may get all of it
         max_in_flight = config.max_queued_requests + config.engine.max_num_seqs * num_replicas
 
+        # the LoRA adapters served; an engine (re)starting now loads those registered now
+        self.adapters = adapters = AdapterRegistry(
+            config.model_name, list(config.lora_modules), enabled=config.enable_lora,
+            runtime_updates=config.lora_runtime_updates, allowed_dirs=config.lora_allowed_dirs,
+            max_loaded=config.max_loaded_adapters)
+
         def make_client(index: int) -> EngineClient:
+            engine = msgspec.structs.replace(config.engine, lora_modules=adapters.specs)
             return EngineClient(
-                replica_config(config.engine, index, num_replicas),
+                replica_config(engine, index, num_replicas),
                 channel_capacity=channel_capacity(max_in_flight),
                 heartbeat_interval=config.engine_heartbeat_interval,
                 heartbeat_timeout=config.engine_heartbeat_timeout,
@@ -91,10 +100,12 @@ class Server:
             frontend = self.frontend = Frontend(cfg, self.engine, self.metrics,
                                                 ready.max_num_seqs * cfg.data_parallel_size, recorder)
             api = Api(frontend, tokenizer, cfg.model_name, ready.max_model_len, ready.vocab_size,
-                      cfg.tool_call_parser, cfg.reasoning_parser)
+                      cfg.tool_call_parser, cfg.reasoning_parser, self.adapters, ready.model)
+            lora_info = (lambda: (frontend.requests.running_adapters, frontend.requests.queued_adapters,
+                                  cfg.engine.max_loras)) if cfg.enable_lora else lambda: None
             app = create_app(api, cfg.api_key, cfg.max_request_body_bytes,
                              lambda: self.metrics.render(self.engine.stats, len(frontend.active),
-                                                         self.engine.snapshot()),
+                                                         self.engine.snapshot(), lora_info()),
                              self._health_check, cfg.max_ws_requests_per_connection)
             app.config["BODY_TIMEOUT"] = cfg.body_timeout
             state = ServerState(self.metrics, lambda: self.engine.stats, lambda: len(frontend.active))

@@ -3,7 +3,8 @@
 ``server``: the default 16 MiB body limit (so deeply nested JSON fits under it), a 64-token
 context so that any request the fuzzer makes valid finishes in a few steps, and slow-enough
 steps (>= 20 ms) that a stream is still running while a test acts beside it, and a 3 s
-`--body-timeout` so that a body that never finishes is cut quickly.
+`--body-timeout` so that a body that never finishes is cut quickly. LoRA is on with runtime updates
+(adapters may load from an empty allowed directory), so the fuzzer reaches the adapter routes' checks.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ BODY_TIMEOUT = 3.0
 
 
 @pytest.fixture(scope="package")
-def server():
+def server(tmp_path_factory):
+    allowed = tmp_path_factory.mktemp("lora-allowed")
     with LiveServer("--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "128",
                     "--body-timeout", str(BODY_TIMEOUT),
-                    "--min-step-time", str(STEP_TIME)) as live:
+                    "--min-step-time", str(STEP_TIME), "--enable-lora", "--enable-lora-runtime-updates",
+                    "--lora-allowed-dirs", str(allowed)) as live:
         yield live

@@ -8,7 +8,7 @@ built at collection from that generator rather than fetched through a fixture: s
 fixture mode reads a private pytest attribute that pytest 9.2 removed. The property, for
 every generated request (valid and invalid bodies, path parameters): never a 5xx, an error is
 OpenAI's shape (Anthropic's on /v1/messages), and afterwards the server is alive and idle (every KV block free). The
-WebSocket's messages are fuzzed by test_fuzz.py. Bounded time: 12 examples per route (15 routes:
+WebSocket's messages are fuzzed by test_fuzz.py. Bounded time: 12 examples per route (17 routes:
 253 s with 20 on a 2-core host at load 15, hence 12).
 """
 
@@ -24,12 +24,14 @@ from hypothesis import HealthCheck, Phase, settings
 from tidal.http.completion_route import ROUTES
 from tidal.http.openapi import app_routes, openapi_document
 from tidal.http.routes import REQUEST_BODIES, create_app
+from tidal.registry.adapters import AdapterRegistry
 from tidal.ui import register_state, register_ui
 
 
 def _app():
     """The app as ``tidal serve`` assembles it (no engine: only its routes are read)."""
-    api = SimpleNamespace(tokenizer=None, model_name="tidal-tiny", max_model_len=64, vocab_size=8192)
+    api = SimpleNamespace(tokenizer=None, model_name="tidal-tiny", max_model_len=64, vocab_size=8192,
+                          adapters=AdapterRegistry("tidal-tiny"))
     app = create_app(api, None, 1 << 20, lambda: b"", None)  # type: ignore[arg-type]
     register_state(app, None)  # type: ignore[arg-type]
     register_ui(app)

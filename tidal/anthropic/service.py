@@ -95,7 +95,7 @@ class MessagesService:
                  done: bool) -> dict[str, Any]:
         reason, sequence = (shapes.stop_reason(reader.finish_reason, reader.stop_reason, bool(reader.tool_calls))
                             if done else (None, None))
-        return {"id": message_id, "type": "message", "role": "assistant", "model": self.api.model_name,
+        return {"id": message_id, "type": "message", "role": "assistant", "model": self.api.served_name(reader.request),
                 "content": content, "stop_reason": reason, "stop_sequence": sequence,
                 "usage": shapes.usage(reader.request.num_prompt_tokens, reader.num_tokens if done else 0,
                                       reader.num_cached_tokens)}
@@ -103,9 +103,8 @@ class MessagesService:
     async def respond(self, body: bytes) -> Answer:
         try:
             request: shapes.MessagesRequest = decode_struct(body, shapes.MessagesRequest)
-            if request.model != self.api.model_name:
-                raise ApiError(404, f"The model `{request.model}` does not exist.", "not_found_error", "model")
-            active, checked = await self.api.admit("chat", shapes.chat_request(request))
+            self.api.adapters.resolve(request.model)  # the base model or a LoRA adapter: 404 first for any other
+            active, checked = await self.api.admit("chat", {**shapes.chat_request(request), "model": request.model})
             reader = await self.api.first_output(active, checked)
         except ApiError as error:
             return errors.error_answer(error)

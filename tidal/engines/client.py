@@ -34,17 +34,21 @@ import trio
 from tidal.engines.liveness import StepBound, wait_on_time
 from tidal.wire import (
     AbortRequests,
+    AdapterLoaded,
+    AdapterSpec,
     AddRequest,
     EngineConfig,
     EngineFailed,
     EngineStats,
     FrameSplitter,
+    LoadAdapter,
     Ping,
     Pong,
     Ready,
     Shutdown,
     StepProgress,
     StepReport,
+    UnloadAdapter,
     decode_from_engine,
     encode_frame,
     engine_process_env,
@@ -94,6 +98,8 @@ class EngineClient:
         self._send, self._receive = trio.open_memory_channel(channel_capacity)
         self._nonces = itertools.count(1)
         self._pongs: dict[int, trio.Event] = {}
+        self._adapter_answers: dict[int, AdapterLoaded | None] = {}  # adapter id -> its answer, once it came
+        self._adapter_events: dict[int, trio.Event] = {}
         self.read_time = 0.0  # time.monotonic() of the last read from the engine: its reports' "report_received"
 
     # ------------------------------------------------------------------ requests
@@ -135,6 +141,35 @@ class EngineClient:
             return None
         finally:
             self._pongs.pop(nonce, None)
+
+    async def load_adapter(self, spec: AdapterSpec, timeout: float) -> str | None:
+        """Have the engine read and check a LoRA adapter; why it cannot be used, or None once it is loaded.
+        (The registry sends one load at a time, so the channel's headroom holds it.)"""
+        if self.dead is not None:
+            return f"the engine is not available: {self.dead}"
+        event = self._adapter_events[spec.adapter_id] = trio.Event()
+        try:
+            self._send.send_nowait(encode_frame(LoadAdapter(spec)))
+            with trio.move_on_after(timeout):
+                await event.wait()
+            answer = self._adapter_answers.get(spec.adapter_id)
+            if answer is None:
+                return self.dead or f"the engine did not load the adapter within {timeout:g} s"
+            return answer.error
+        except trio.WouldBlock:
+            return "the engine's request channel is full"
+        finally:
+            self._adapter_events.pop(spec.adapter_id, None)
+            self._adapter_answers.pop(spec.adapter_id, None)
+
+    def unload_adapter_nowait(self, adapter_id: int) -> None:
+        """Tell the engine to forget an adapter no request uses; no-op once the engine is gone (or, rarely, when
+        the channel is full: the engine then keeps a cold adapter it evicts when it needs the room)."""
+        if self.dead is None:
+            try:
+                self._send.send_nowait(encode_frame(UnloadAdapter(adapter_id)))
+            except trio.WouldBlock:
+                log.warning("the engine channel is full: adapter %d stays registered in the engine", adapter_id)
 
     @property
     def healthy(self) -> bool:
@@ -214,7 +249,7 @@ class EngineClient:
             log.error("%s", why)
             if self.listener is not None:
                 self.listener.on_engine_dead(self, why)
-            for event in self._pongs.values():
+            for event in (*self._pongs.values(), *self._adapter_events.values()):
                 event.set()
         return self.dead
 
@@ -281,6 +316,11 @@ class EngineClient:
             self.stats, self.progress = message.stats, message.progress
             event = self._pongs.get(message.nonce)
             if event is not None:
+                event.set()
+        elif isinstance(message, AdapterLoaded):
+            event = self._adapter_events.get(message.adapter_id)
+            if event is not None:
+                self._adapter_answers[message.adapter_id] = message
                 event.set()
         elif isinstance(message, EngineFailed):
             self._fail(f"engine failed: {message.message}")

@@ -34,7 +34,7 @@ import trio
 from tidal.engines.client import EngineClient, EngineDead, EngineStartError
 from tidal.engines.replica_state import Replica, ReplicaState
 from tidal.engines.router import Decision, NoReplica, Router
-from tidal.wire import EngineConfig, EngineStats, Ready, StepReport
+from tidal.wire import AdapterSpec, EngineConfig, EngineStats, Ready, StepReport
 
 log = logging.getLogger("tidal.engines.replicas")
 
@@ -93,6 +93,24 @@ class ReplicaSet:
             raise EngineDead(self.why_down()) from None
         self.on_routed(decision)
         return self.replicas[decision.index].client  # type: ignore[return-value]
+
+    async def load_adapter(self, spec: AdapterSpec, timeout: float) -> list[str]:
+        """Have every serving replica read and check a LoRA adapter, all at once; the reasons of those that cannot."""
+        errors: list[str] = []
+
+        async def load(client: EngineClient) -> None:
+            error = await client.load_adapter(spec, timeout)
+            if error is not None:
+                errors.append(error)
+
+        async with trio.open_nursery() as nursery:
+            for replica in self.serving:
+                nursery.start_soon(load, replica.client)
+        return errors
+
+    def unload_adapter(self, adapter_id: int) -> None:
+        for replica in self.serving:
+            replica.client.unload_adapter_nowait(adapter_id)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ state, for /health and /metrics
 

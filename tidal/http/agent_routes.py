@@ -40,7 +40,7 @@ def _answer(answer) -> Response:
 
 
 def register_agent_routes(app, api: Api, body_bytes, response_store: ResponseStore | None = None) -> None:
-    tokenization = Tokenization(api.tokenizer, api.model_name, api.max_model_len, api.vocab_size)
+    tokenization = Tokenization(api.tokenizer, api.adapters.resolve, api.max_model_len, api.vocab_size)
     responses = ResponsesService(api, response_store)
     messages = MessagesService(api)
 

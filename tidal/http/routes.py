@@ -21,6 +21,8 @@ from tidal.registry.frontend import SHUTTING_DOWN
 from tidal.anthropic import errors as anthropic_errors
 from tidal.http.agent_routes import AUTHORIZED_PATHS, is_anthropic_path, register_agent_routes
 from tidal.http.agent_routes import REQUEST_BODIES as AGENT_REQUEST_BODIES
+from tidal.http.adapter_routes import REQUEST_BODIES as ADAPTER_REQUEST_BODIES
+from tidal.http.adapter_routes import register_adapter_routes
 from tidal.http.auth import auth_error, authorization
 from tidal.http.openapi import app_routes, openapi_document
 from tidal.http.websocket import register_websocket
@@ -35,6 +37,7 @@ REQUEST_BODIES: dict[tuple[str, str], type] = {
     ("POST", "/v1/chat/completions"): ChatCompletionRequest,
     ("POST", "/v1/completions"): CompletionRequest,
     **AGENT_REQUEST_BODIES,  # /v1/responses, /v1/messages, /tokenize, /detokenize
+    **ADAPTER_REQUEST_BODIES,  # /v1/load_lora_adapter, /v1/unload_lora_adapter
 }
 
 _HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -96,20 +99,26 @@ def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_rende
     async def completions():
         return await complete(api, "completions", await body_bytes())
 
-    def model_card() -> dict[str, Any]:
-        return {"id": api.model_name, "object": "model", "created": 0, "owned_by": "tidal",
-                "max_model_len": api.max_model_len}
+    def model_card(adapter=None) -> dict[str, Any]:
+        """The base model's card (root: where it was read from), or a LoRA adapter's (vLLM's: its parent is the
+        model it adapts, its root its directory)."""
+        if adapter is None:
+            return {"id": api.model_name, "object": "model", "created": 0, "owned_by": "tidal",
+                    "root": api.model_root, "parent": None, "max_model_len": api.max_model_len}
+        return {"id": adapter.name, "object": "model", "created": 0, "owned_by": "tidal", "root": adapter.spec.path,
+                "parent": adapter.base_model_name, "max_model_len": api.max_model_len}
 
     @app.get("/v1/models")
     async def models():
-        return json_response({"object": "list", "data": [model_card()]})
+        cards = [model_card()] + [model_card(adapter) for adapter in api.adapters.modules.values()]
+        return json_response({"object": "list", "data": cards})
 
     @app.get("/v1/models/<path:model_id>")  # path: served names may contain "/" (org/model)
     async def model(model_id: str):
-        if model_id != api.model_name:
-            return error_response(ApiError(404, f"The model `{model_id}` does not exist.", "not_found_error",
-                                           "model", "model_not_found"))
-        return json_response(model_card())
+        try:
+            return json_response(model_card(api.adapters.resolve(model_id)))
+        except ApiError as error:
+            return error_response(error)
 
     @app.get("/health")
     async def health():
@@ -125,6 +134,7 @@ def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_rende
         return Response(metrics_render(), 200, {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     register_agent_routes(app, api, body_bytes)
+    register_adapter_routes(app, api, body_bytes)
     register_websocket(app, api, max_ws_requests,
                        lambda headers: auth_error(api_key, headers.get("Authorization", "")))
 

@@ -158,7 +158,7 @@ class Connection:
                     except ApiError as error:
                         await self.send(_error_message(rid, error))
                         return
-                    encoder = ChunkEncoder(kind, api.model_name)  # type: ignore[arg-type]
+                    encoder = ChunkEncoder(kind, api.served_name(active))  # type: ignore[arg-type]
                     prefix = b'{"type":"chunk","id":' + id_json + b',"data":'
                     while not reader.done:
                         text = await reader.next_delta()

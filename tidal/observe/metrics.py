@@ -5,6 +5,7 @@ Gauges that describe the engine are filled from the engine's latest stats when s
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -72,6 +73,7 @@ class BatchedObservations:
 class Metrics:
     def __init__(self, model_name: str, num_replicas: int = 1, vllm_names: bool = False):
         self.registry = r = CollectorRegistry()
+        self.lora_requests_info: Gauge | None = None  # vllm:lora_requests_info, made at the first render with LoRA on
         labels = ["model_name"]
         self.num_requests_running = Gauge("tidal:num_requests_running",
                                           "Requests scheduled in the engine.", labels, registry=r)
@@ -191,8 +193,9 @@ class Metrics:
         self.engine_aborts_freed_m = [self.engine_aborts_freed.labels(m, steps) for steps in ABORT_STEP_LABELS]
         self.model_name = m
 
-    def render(self, stats, num_frontend_requests: int, replicas=()) -> bytes:
-        """``replicas``: (index, serving, stats, num_restarts) of each data-parallel replica."""
+    def render(self, stats, num_frontend_requests: int, replicas=(), lora=None) -> bytes:
+        """``replicas``: (index, serving, stats, num_restarts) of each data-parallel replica; ``lora``: (the
+        running requests' adapters, the waiting ones', --max-loras) with LoRA on, else None."""
         for observations in self._batched:
             observations.flush()
         m = self.model_name
@@ -222,9 +225,23 @@ class Metrics:
             counter.inc(max(0, count - self._engine_aborts_freed_seen[i]))  # as the steps: a restart counts anew
             self._engine_aborts_freed_seen[i] = count
         self.frontend_requests.labels(m).set(num_frontend_requests)
+        if lora is not None:
+            self._lora_info(*lora)
         if self.vllm_gauges:  # the same values as tidal's own gauges just set
             values = {"num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
                       "kv_cache_usage_perc": stats.num_used_blocks / total}
             for gauge, attribute in self.vllm_gauges:
                 gauge.labels(m).set(values[attribute])
         return generate_latest(self.registry)
+
+    def _lora_info(self, running, waiting, max_lora: int) -> None:
+        """vLLM's ``vllm:lora_requests_info``: one series whose labels name the adapters of the running and the
+        waiting requests (comma-separated) and whose value is when it was taken, as vLLM's; the endpoint picker
+        of the Gateway API Inference Extension routes by it."""
+        if self.lora_requests_info is None:
+            self.lora_requests_info = Gauge(
+                "vllm:lora_requests_info", "Running stats on LoRA requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=self.registry)
+        self.lora_requests_info.clear()
+        self.lora_requests_info.labels(str(max_lora), ",".join(sorted(waiting)), ",".join(sorted(running))).set(
+            time.time())

@@ -134,9 +134,7 @@ class ResponsesService:
     async def respond(self, body: bytes) -> Answer:
         try:
             request: shapes.ResponsesRequest = decode_struct(body, shapes.ResponsesRequest)
-            if request.model is not None and request.model != self.api.model_name:
-                raise ApiError(404, f"The model `{request.model}` does not exist.", "not_found_error", "model",
-                               "model_not_found")
+            self.api.adapters.resolve(request.model)  # 404 before anything else for an unknown model
             history: list[dict[str, Any]] = []
             if request.previous_response_id is not None:
                 stored = self.store.get(request.previous_response_id)
@@ -144,6 +142,8 @@ class ResponsesService:
                     raise shapes.not_found(request.previous_response_id)
                 history = stored.conversation
             chat = shapes.chat_request(request, history)
+            if request.model is not None:
+                chat["model"] = request.model  # the base model or the LoRA adapter it names
             try:
                 active, checked = await self.api.admit("chat", chat)
             except ApiError as error:
@@ -152,7 +152,7 @@ class ResponsesService:
             reader = await self.api.first_output(active, checked)
         except ApiError as error:
             return error_answer(error)
-        shape = shapes.ResponseShape(request, self.api.model_name)
+        shape = shapes.ResponseShape(request, self.api.served_name(active))
         conversation = [m for m in chat["messages"] if not (request.instructions and m is chat["messages"][0])]
         if request.stream:
             return 200, _SSE_HEADERS, ResponsesSseBody(self, reader, shape, conversation)

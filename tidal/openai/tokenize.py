@@ -10,11 +10,12 @@ holds are refused, and ids must be in the vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
 
-from tidal.errors import ApiError, bad_request
+from tidal.errors import bad_request
 from tidal.openai.requests import ChatMessage, Tool, decode_struct, template_kwargs, template_messages
 from tidal.tokenizer import PromptTokenizer
 from tidal.wire import INT32_MAX
@@ -44,16 +45,15 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 class Tokenization:
     """The two routes' answers, given the server's tokenizer and limits."""
 
-    def __init__(self, tokenizer: PromptTokenizer, model_name: str, max_model_len: int, vocab_size: int):
+    def __init__(self, tokenizer: PromptTokenizer, resolve_model: Callable[[str | None], object], max_model_len: int,
+                 vocab_size: int):
         self.tokenizer = tokenizer
-        self.model_name = model_name
+        self.resolve_model = resolve_model  # raises the 404 for a name that is neither the model nor a LoRA adapter
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist.", "not_found_error", "model",
-                           "model_not_found")
+        self.resolve_model(model)
 
     def _check_count(self, count: int, param: str) -> None:
         if count > self.max_model_len:

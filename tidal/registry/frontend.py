@@ -42,7 +42,7 @@ from tidal.observe.metrics import Metrics
 from tidal.observe.timeline import Timeline
 from tidal.observe.trace_recorder import TraceRecorder
 from tidal.errors import ApiError
-from tidal.wire import AddRequest, RequestOutput, SamplingParams, StepReport
+from tidal.wire import AdapterSpec, AddRequest, RequestOutput, SamplingParams, StepReport
 
 log = logging.getLogger("tidal.frontend")
 
@@ -155,10 +155,12 @@ class Frontend:
         raise service_unavailable(QUEUE_FULL)
 
     def open_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-                     fork_of: int | None = None, timeline: Timeline | None = None) -> ActiveRequest:
+                     fork_of: int | None = None, timeline: Timeline | None = None,
+                     adapter: AdapterSpec | None = None) -> ActiveRequest:
         """Admit a request and send it to the engine, or raise an ApiError (503).
 
         ``timeline``: the request's clock since its first byte (a new one starts now if None).
+        ``adapter``: the LoRA adapter it runs through (None: the base model).
 
         Synchronous: nothing can be cancelled half-way. The request is closed when the
         enclosing RequestScope ends, if it is not over before.
@@ -187,8 +189,10 @@ class Frontend:
             mailbox=Mailbox(self.config.max_stream_buffer_bytes),
             engine=engine,
             timeline=timeline,
+            adapter=None if adapter is None else adapter.name,
         )
-        engine.submit_nowait(AddRequest(request.request_id, prompt_token_ids, params, priority, time.time(), fork_of))
+        engine.submit_nowait(AddRequest(request.request_id, prompt_token_ids, params, priority, time.time(), fork_of,
+                                        None if adapter is None else adapter.adapter_id))
         timeline.queued = time.monotonic()
         self.requests.add(request)
         self.metrics.prompt_tokens_m.inc(len(prompt_token_ids))

@@ -11,11 +11,13 @@ FINISHED, ABORTED and REJECTED are final. The engine has forgotten a FINISHED re
 the other two the frontend has sent (or is sending) an abort.
 
 ``RequestTable`` is the set of live (not final) requests. It learns of every transition from
-``move_to``, so its counts of queued and running requests are derived, never kept by hand.
+``move_to``, so its counts of queued and running requests (and of the requests through each LoRA
+adapter) are derived, never kept by hand.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +73,7 @@ class ActiveRequest:
     timeline: Timeline = field(default_factory=lambda: Timeline(0.0), repr=False)
     num_output_tokens: int = 0  # received from the engine
     finish_reason: str | None = None  # the engine's, once it finished the request
+    adapter: str | None = None  # the name of the LoRA adapter it runs through; None: the base model
 
     @property
     def is_final(self) -> bool:
@@ -97,6 +100,10 @@ class RequestTable:
         self.live: dict[int, ActiveRequest] = {}
         self.num_queued = 0  # admitted, not yet scheduled by the engine
         self.num_running = 0  # scheduled, not yet final (the frontend's view)
+        # LoRA adapter name -> live requests through it, and the queued and running ones' adapters apart
+        self.adapters: collections.Counter[str] = collections.Counter()
+        self.queued_adapters: collections.Counter[str] = collections.Counter()
+        self.running_adapters: collections.Counter[str] = collections.Counter()
         self._idle = trio.Event()
         self._idle.set()
 
@@ -106,6 +113,9 @@ class RequestTable:
         request.table = self
         self.live[request.request_id] = request
         self.num_queued += 1
+        if request.adapter is not None:
+            self.adapters[request.adapter] += 1
+            self.queued_adapters[request.adapter] += 1
         if len(self.live) == 1:
             self._idle = trio.Event()
 
@@ -128,3 +138,17 @@ class RequestTable:
             del self.live[request.request_id]
             if not self.live:
                 self._idle.set()
+        if request.adapter is not None:
+            _move_count(self.queued_adapters if old is RequestState.QUEUED else self.running_adapters,
+                        self.running_adapters if new is RequestState.RUNNING else None, request.adapter)
+            if new is not RequestState.RUNNING:
+                _move_count(self.adapters, None, request.adapter)
+
+
+def _move_count(source: collections.Counter, target: collections.Counter | None, key: str) -> None:
+    """One count of ``key`` from ``source`` to ``target`` (None: gone); a key counted zero times is dropped."""
+    source[key] -= 1
+    if not source[key]:
+        del source[key]
+    if target is not None:
+        target[key] += 1

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from tidal.errors import ApiError, bad_request, internal_error
+from tidal.registry.adapters import AdapterRegistry
 from tidal.registry.frontend import Frontend
 from tidal.http import fast_send
 from tidal.registry.lifecycle import ActiveRequest
@@ -51,8 +52,12 @@ class Api:
     """Everything a route needs, held by the app (no module globals)."""
 
     def __init__(self, frontend: Frontend, tokenizer: PromptTokenizer, model_name: str, max_model_len: int,
-                 vocab_size: int, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+                 vocab_size: int, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 adapters: AdapterRegistry | None = None, model_root: str | None = None):
         self.frontend = frontend
+        self.model_root = model_root  # where the engine read the model from (its /v1/models card's root)
+        # the LoRA adapters a request's ``model`` may name besides the base model
+        self.adapters = adapters if adapters is not None else AdapterRegistry(model_name)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -97,9 +102,7 @@ class Api:
             timeline = Timeline(time.monotonic())
         timeline.operation = "chat" if kind == "chat" else "text_completion"
         parsed = parse_body(kind, body)  # type: ignore[arg-type]
-        if parsed.model is not None and parsed.model != self.model_name:
-            raise ApiError(404, f"The model `{parsed.model}` does not exist.", "not_found_error", "model",
-                           "model_not_found")
+        adapter = self.adapters.resolve(parsed.model)  # 404 for a name that is neither the model nor an adapter
         checked = validate(parsed, self.vocab_size)
         timeline.parsed = time.monotonic()
         if kind == "chat":
@@ -120,14 +123,22 @@ class Api:
             checked = self._with_thinking(checked, prompt_ids)
         params = fit_max_tokens(checked, len(prompt_ids), self.max_model_len)
         timeline.tokenized = time.monotonic()
-        first = self.frontend.open_request(prompt_ids, params, checked.priority, timeline=timeline)
+        spec = None
+        if adapter is not None:  # checked with nothing awaited before the request is open: the count holds
+            self.adapters.check_admission(adapter, self.frontend.requests)
+            spec = adapter.spec
+        first = self.frontend.open_request(prompt_ids, params, checked.priority, timeline=timeline, adapter=spec)
         actives = [first]
         for i in range(1, checked.n):
             seed = params.seed
             choice = params if seed is None else msgspec.structs.replace(params, seed=_offset_seed(seed, i))
             actives.append(self.frontend.open_request(prompt_ids, choice, checked.priority, fork_of=first.request_id,
-                                                      timeline=timeline.fork()))
+                                                      timeline=timeline.fork(), adapter=spec))
         return actives, checked
+
+    def served_name(self, active: ActiveRequest) -> str:
+        """The ``model`` an answer names: the adapter the request ran through, else the served model."""
+        return active.adapter or self.model_name
 
     def _with_thinking(self, checked: Validated, prompt_ids: list[int]) -> Validated:
         """Note where the prompt leaves the thinking; unless it closed it, a constraint waits for ``</think>``."""
@@ -196,7 +207,7 @@ class Api:
         if len(readers) > 1:
             return await self._respond_choices(kind, readers, checked, scope)
         reader = readers[0]
-        encoder = ChunkEncoder(kind, self.model_name)  # type: ignore[arg-type]
+        encoder = ChunkEncoder(kind, self.served_name(actives[0]))  # type: ignore[arg-type]
         if checked.stream:
             return 200, _SSE_HEADERS, SseBody(reader, encoder, checked.include_usage, fast_send.body_writer(scope))
         try:
@@ -206,8 +217,9 @@ class Api:
 
     async def _respond_choices(self, kind: str, readers: list[OutputReader], checked: Validated,
                                scope: dict) -> Answer:
-        first = ChunkEncoder(kind, self.model_name)  # type: ignore[arg-type]
-        encoders = [first] + [ChunkEncoder(kind, self.model_name, i, first)  # type: ignore[arg-type]
+        name = self.served_name(readers[0].request)
+        first = ChunkEncoder(kind, name)  # type: ignore[arg-type]
+        encoders = [first] + [ChunkEncoder(kind, name, i, first)  # type: ignore[arg-type]
                               for i in range(1, len(readers))]
         if checked.stream:
             return 200, _SSE_HEADERS, ChoicesSseBody(readers, encoders, checked.include_usage,

@@ -1,0 +1,169 @@
+"""LoRA adapters on a served model: throughput through adapters against the base model, adapter load time, and
+a smoke check that the served adapter says what transformers + peft with it merged says.
+
+    python benchmarks/lora.py --model /path/to/hf-model-dir [--rounds 2] [--output-len 64]
+
+Makes four rank-16 adapters of the model offline with peft (random A and B), then:
+
+1. smoke (``--dtype float32`` server): greedy tokens through adapter 0 equal transformers + peft merged, float32;
+2. throughput (a ``--dtype auto`` server with ``--max-loras 4``): 16 concurrent streams spread over the 4
+   adapters against 16 base-model streams, and one stream through adapter 0 against one base stream, the two
+   sides alternating in the same server, ``--rounds`` times each; tok/s = completion tokens / wall time;
+3. load time: ``POST /v1/load_lora_adapter`` of a fifth rank-16 adapter (every replica reads and checks it)
+   and the engine's read alone (``read_adapter``, in this process).
+
+Prints one line per figure. On a loaded host only the ratios of sides measured alternately mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import torch
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def make_adapter(model_dir: str, out_dir: str, seed: int, r: int = 16) -> str:
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lora = peft.LoraConfig(r=r, lora_alpha=2 * r, init_lora_weights=False,
+                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    adapted = peft.get_peft_model(model, lora)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(adapted.named_parameters()):
+            if ".lora_" in name:
+                param.copy_(0.02 * torch.randn(param.shape, generator=generator))
+    adapted.save_pretrained(out_dir)
+    return out_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.process = subprocess.Popen([sys.executable, "-m", "tidal", "serve", "--port", str(self.port), "--no-ui",
+                                         *flags], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited: {open(self.log.name).read()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("server did not start")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(60)
+
+
+def complete(url: str, model: str, max_tokens: int, **fields) -> dict:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            **fields}
+    answer = httpx.post(url + "/v1/completions", json=body, timeout=600)
+    answer.raise_for_status()
+    return answer.json()
+
+
+def tok_per_s(url: str, models: list[str], max_tokens: int) -> float:
+    """len(models) concurrent requests, one per entry; completion tokens over the wall time."""
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(models)) as pool:
+        answers = list(pool.map(lambda m: complete(url, m, max_tokens), models))
+    wall = time.perf_counter() - start
+    return sum(a["usage"]["completion_tokens"] for a in answers) / wall
+
+
+def smoke(model_dir: str, adapter: str) -> None:
+    import peft
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    server = Server("--model", model_dir, "--dtype", "float32", "--enable-lora", "--lora-modules", f"a0={adapter}",
+                    "--max-lora-rank", "16")
+    try:
+        answer = complete(server.url, "a0", 16, return_tokens_as_token_ids=True, logprobs=0)
+        served = [int(t.removeprefix("token_id:")) for t in answer["choices"][0]["logprobs"]["tokens"]]
+        base = complete(server.url, model_dir, 16)["choices"][0]["text"]
+    finally:
+        server.stop()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    merged = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                            adapter).merge_and_unload().eval()
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        reference = merged.generate(prompt, do_sample=False, max_new_tokens=16, min_new_tokens=16)[0, prompt.shape[1]:]
+    print(f"smoke: adapter a0 greedy tokens {'EQUAL' if served == reference.tolist() else 'DIFFER'} "
+          f"transformers+peft merged (float32); through a0: {tokenizer.decode(served)!r}; base: {base!r}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a Hugging Face model directory")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--skip-smoke", action="store_true")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="tidal-lora-bench-")
+    adapters = [make_adapter(args.model, os.path.join(root, f"a{i}"), seed=i) for i in range(5)]
+    if not args.skip_smoke:
+        smoke(args.model, adapters[0])
+    modules = [f"a{i}={adapters[i]}" for i in range(4)]
+    server = Server("--model", args.model, "--enable-lora", "--lora-modules", *modules, "--max-loras", "4",
+                    "--max-lora-rank", "16", "--enable-lora-runtime-updates", "--lora-allowed-dirs", root,
+                    "--max-num-seqs", "32")
+    try:
+        complete(server.url, "a0", 4)  # warm both paths
+        complete(server.url, args.model, 4)
+        results: dict[str, list[float]] = {k: [] for k in ("base16", "lora16", "base1", "lora1")}
+        for _ in range(args.rounds):
+            results["base16"].append(tok_per_s(server.url, [args.model] * 16, args.output_len))
+            results["lora16"].append(tok_per_s(server.url, [f"a{i % 4}" for i in range(16)], args.output_len))
+            results["base1"].append(tok_per_s(server.url, [args.model], 2 * args.output_len))
+            results["lora1"].append(tok_per_s(server.url, ["a0"], 2 * args.output_len))
+        for key, values in results.items():
+            print(f"{key}: median {statistics.median(values):.1f} tok/s over {len(values)} rounds "
+                  f"({', '.join(f'{v:.1f}' for v in values)})")
+        print(f"16 streams over 4 rank-16 adapters / 16 base streams: "
+              f"{statistics.median(results['lora16']) / statistics.median(results['base16']):.2f}x")
+        print(f"1 adapter stream / 1 base stream: "
+              f"{statistics.median(results['lora1']) / statistics.median(results['base1']):.2f}x")
+        start = time.perf_counter()
+        answer = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a4", "lora_path": adapters[4]},
+                            timeout=120)
+        print(f"load of a rank-16 adapter over HTTP: {time.perf_counter() - start:.3f} s ({answer.status_code})")
+    finally:
+        server.stop()
+    from tidal.gpu.model.config import ModelConfig
+    from tidal.gpu.model.lora import read_adapter
+
+    config = ModelConfig.from_dir(args.model)
+    start = time.perf_counter()
+    read_adapter("a4", adapters[4], config, 16)
+    print(f"engine read and check of a rank-16 adapter: {time.perf_counter() - start:.3f} s")
+
+
+if __name__ == "__main__":
+    main()
