@@ -230,7 +230,8 @@ def test_api_key_is_asked_for_then_used(servers, browser):
     ask(browser, "Hi", max_tokens=6)
     wait(browser, lambda: browser.find_element(By.ID, "key-card").is_displayed())
     assert "needs an API key" in text(browser, "#key-why")
-    assert "401" in last_answer(browser).text
+    wait(browser, lambda: "401" in last_answer(browser).text)  # the card may be up already, from the page's load
+    assert browser.find_element(By.ID, "prompt").get_attribute("value") == ""  # sent again with the key, not given back
     browser.find_element(By.ID, "api-key").send_keys(API_KEY)
     browser.find_element(By.ID, "key-save").click()
     # the refused message is sent again, with the key, and answered

@@ -155,7 +155,8 @@ class ServerTokenizer:
         self._client = httpx.Client(base_url=config.base_url, headers=_auth_headers(config.api_key), timeout=60.0)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> Any:
-        answer = self._post("/tokenize", {"model": self._model, "prompt": text, "add_special_tokens": add_special_tokens})
+        body = {"model": self._model, "prompt": text, "add_special_tokens": add_special_tokens}
+        answer = self._post("/tokenize", body)
         return _Encoding(answer["tokens"])
 
     def decode(self, ids: list[int]) -> str:
@@ -687,7 +688,8 @@ def main(args: argparse.Namespace) -> int:
     if args.tokenizer is not None:
         tokenizer = resolve_tokenizer(args.tokenizer)
         if tokenizer is None:
-            print(f"tidal bench: --tokenizer {args.tokenizer}: no such .json file, and no folder holding tokenizer.json "
+            print(f"tidal bench: --tokenizer {args.tokenizer}: no such .json file, and no folder holding "
+                  "tokenizer.json "
                   "(give a folder with tokenizer.json, the file itself, or tidal-tiny)", file=sys.stderr)
             return 2
     config = BenchConfig(

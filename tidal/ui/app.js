@@ -163,8 +163,10 @@ function endAnswer(how, text, usage) {
   $("stop").disabled = true;
 }
 
-// A question the server refused goes back into the empty input, to be fixed (or just resent).
+// A question the server refused goes back into the empty input, to be fixed (or just resent);
+// one refused for want of an API key is sent again by itself once the key is given.
 function giveBackQuestion(which) {
+  if (retryBody) return;
   const question = which.el.previousElementSibling;
   if (question && question.classList.contains("user") && !$("prompt").value) {
     $("prompt").value = question.querySelector(".text").textContent;
