@@ -62,6 +62,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache size in GiB (default 1). Ignored if --num-kv-blocks is given.")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="Exact number of KV blocks (overrides "
                    "--kv-cache-memory).")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="Speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' proposes up to K tokens per step from "
+                        "the request's own prompt and output and verifies them in one pass; the output is exactly "
+                        "what it would be without (docs/engine.md). Off by default.")
     g.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="Seconds a structured-output request waits for its grammar to compile before a 400 "
                         "(default 10).")
@@ -223,6 +228,7 @@ def server_config(args: argparse.Namespace):
         max_loras=args.max_loras if args.enable_lora else 0,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras or 0,
+        speculative=getattr(args, "speculative", None),
     )
     return ServerConfig(
         engine=engine,
@@ -294,6 +300,14 @@ def _check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         if not host or not port.isdigit():
             p.error(f"--dist-init-addr must be HOST:PORT, not {args.dist_init_addr!r}")
         args.master_addr, args.master_port = host, int(port)
+    args.speculative = None
+    if args.speculative_config is not None:
+        from tidal.speculative_config import parse_speculative_config
+
+        try:
+            args.speculative = parse_speculative_config(args.speculative_config)
+        except ValueError as exc:
+            p.error(str(exc))
     if args.master_port is not None and not 0 < args.master_port + args.data_parallel_size - 1 < 65536:
         p.error("--master-port (+ replicas - 1) must be a port number, 1-65535")
 

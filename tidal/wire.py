@@ -90,6 +90,21 @@ class AdapterSpec(msgspec.Struct, frozen=True, array_like=True):
     path: str
 
 
+SpeculativeMethod = Literal["ngram"]
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Speculative decoding (``--speculative-config``, vLLM's JSON; docs/engine.md). ``ngram``: each
+    step proposes up to ``num_speculative_tokens`` tokens that followed the latest earlier occurrence
+    of the sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) in its
+    own prompt and output; one forward pass verifies them all."""
+
+    method: SpeculativeMethod
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything the engine process needs to start. Sent as the first frame."""
 
@@ -129,6 +144,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_lora_rank: int = 16
     max_cpu_loras: int = 0
     lora_modules: tuple[AdapterSpec, ...] = ()
+    speculative: SpeculativeConfig | None = None  # None: one token per sequence per step
     # Test model knob: every forward pass lasts at least this long (seconds). Lets the
     # cancellation tests put an abort "mid-forward" deterministically.
     min_step_time: float = 0.0
@@ -206,6 +222,12 @@ class EngineStats(msgspec.Struct, array_like=True):
     # report that showed its blocks free ([0, 1, 2, 3 or more]); the guarantee is that only the
     # first two ever grow (docs/cancellation.md)
     aborts_freed: list[int] = msgspec.field(default_factory=lambda: [0] * ABORT_STEP_BUCKETS)
+    # speculative decoding, cumulative: verification passes that carried a proposal (one per sequence
+    # and step), proposed tokens, accepted ones, and accepted ones by position in the proposal (0 first)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -250,6 +272,9 @@ class RequestOutput(msgspec.Struct, array_like=True):
     # or, once the stream has begun, ends the stream with that error
     error: str | None = None
     timing: EngineTiming | None = None  # on a request's first output only
+    # speculative decoding, on a request's final output: its proposed tokens and those accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def merge(self, later: "RequestOutput") -> None:
         if later.logprobs is not None:
@@ -265,6 +290,8 @@ class RequestOutput(msgspec.Struct, array_like=True):
         if self.timing is None:
             self.timing = later.timing
         self.error = later.error
+        self.num_draft_tokens = later.num_draft_tokens
+        self.num_accepted_tokens = later.num_accepted_tokens
 
 
 class StepReport(msgspec.Struct, tag="step", array_like=True):

@@ -47,7 +47,9 @@ from tidal.gpu.detokenizer import IncrementalDetokenizer
 from tidal.gpu.grammar import Grammars
 from tidal.gpu.logprobs import CapturedLogprobs
 from tidal.gpu.model_runner import ModelRunner
-from tidal.gpu.sampler import Sampler, SamplingBatch, make_generator
+from tidal.gpu.sampler import Sampler, SamplingBatch, apply_penalties, is_penalised, make_generator
+from tidal.gpu.speculative.speculator import Speculator
+from tidal.gpu.speculative.verify import Verdict, verify
 from tidal.gpu.scheduler import ScheduledBatch, Scheduler
 from tidal.gpu.sequence import Sequence
 from tidal.gpu.model.synthetic_model import SyntheticModel
@@ -78,6 +80,7 @@ class Engine:
         self.grammars = Grammars(self.runner.model_dir, self.runner.model_config.vocab_size,
                                  sorted(self.eos_token_ids), config.grammar_compile_timeout,
                                  config.grammar_cache_bytes)
+        self.speculator = None if config.speculative is None else Speculator(config.speculative, self.grammars)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -85,6 +88,7 @@ class Engine:
             by_priority=config.scheduling_policy == "priority",
             grammars=self.grammars,
             max_loras=config.max_loras,
+            speculator=self.speculator,
         )
         # LoRA adapters (None: off); the --lora-modules are read and checked before the engine is ready
         self.adapters = None
@@ -243,12 +247,12 @@ class Engine:
         in_flight = self._in_flight
         if in_flight is None:
             return False  # nothing fits right now (waiting for blocks)
-        tokens, logprobs, failures = in_flight.tokens.result()
+        tokens, logprobs, failures, accepted = in_flight.tokens.result()
         sampled_at = time.monotonic()  # one stamp per step: the first-token stamp of who got theirs now
         token_seconds = (sampled_at - in_flight.launched_at) / max(in_flight.batch.num_tokens, 1)
         self.slowest_token_seconds = max(self.slowest_token_seconds, token_seconds)
         self._apply_late_aborts()  # the abort window: the pass is over, its outputs not yet booked
-        appended = self.scheduler.commit(in_flight.batch, tokens, failures)  # commit
+        appended = self.scheduler.commit(in_flight.batch, tokens, failures, accepted)  # commit
         self.num_steps += 1  # an abort arriving from here on is applied by the launch, else by the next step
         self._in_flight = self._launch()  # the next step's forward starts now ...
         self._emit_step(appended, logprobs, sampled_at)  # ... and runs while this one's outputs are built
@@ -290,19 +294,69 @@ class Engine:
         soon as the kernels are queued.
         """
         logits = self.runner.execute(batch.entries)
+        if batch.num_draft_tokens:
+            return self._start_verification(batch, logits)
         sampling = self._sampling_batch(batch.sampling)
         captured = CapturedLogprobs.capture(logits, sampling.params)  # None when no row asks
         failures = self.grammars.apply_mask(logits, batch.sampling)  # constrained rows only
         return StartedPass(batch, self.sampler.sample_tokens(logits, sampling), captured, failures)
 
+    def _start_verification(self, batch: ScheduledBatch, logits: torch.Tensor) -> StartedPass:
+        """``_start_pass`` for a pass that carries speculative proposals: each sampling sequence has
+        1 + len(proposal) rows, each penalised and masked as if the proposal's tokens before it had
+        been sampled, then verified (``speculative.verify``). Logprobs are the rows' raw ones, as ever."""
+        row_params = []
+        for seq in batch.sampling:
+            row_params += [seq.params] * (1 + len(seq.draft_token_ids))
+        captured = CapturedLogprobs.capture(logits, row_params)
+        if any(is_penalised(seq.params) for seq in batch.sampling):
+            row_outputs, row_prompts = [], []
+            for seq in batch.sampling:
+                draft = seq.draft_token_ids
+                row_prompts += [seq.prompt_token_ids] * (1 + len(draft))
+                row_outputs += [seq.output_token_ids + draft[:j] for j in range(1 + len(draft))]
+            apply_penalties(logits, row_params, row_outputs, row_prompts)
+        failures, stops_at = {}, {}
+        for request_id, (row, why) in self.grammars.apply_draft_masks(logits, batch.sampling).items():
+            if row == 0:
+                failures[request_id] = why
+            else:
+                stops_at[request_id] = row
+        return StartedPass(batch, None, captured, failures, verify(logits, batch.sampling, stops_at))
+
     def _finish_pass(self, started: StartedPass) -> PassResult:
         """The tokens of a launched pass (waits for the device), the logprobs of the rows that
-        asked (request id -> one token's) and the constrained rows that cannot go on (id -> why)."""
-        tokens = started.tokens.tolist()
+        asked (request id -> one token's) and the constrained rows that cannot go on (id -> why);
+        with proposals, also how many of each sequence's were accepted (``PassResult``)."""
         captured, sampling = started.captured, started.batch.sampling
+        verdict = started.verdict
+        if verdict is not None:
+            return verdict.final, self._verified_logprobs(captured, sampling, verdict), started.failures, \
+                verdict.accepted
+        tokens = started.tokens.tolist()
         logprobs = {} if captured is None else {
             sampling[i].request_id: lp for i, lp in captured.for_tokens(tokens).items()}
-        return tokens, logprobs, started.failures
+        return tokens, logprobs, started.failures, None
+
+    @staticmethod
+    def _verified_logprobs(captured: CapturedLogprobs | None, sampling: list[Sequence],
+                           verdict: Verdict) -> dict[int, Logprobs]:
+        """Request id -> the logprobs of every token a verification pass gives it (one per row used)."""
+        if captured is None:
+            return {}
+        by_row = captured.for_tokens(verdict.row_tokens)
+        out: dict[int, Logprobs] = {}
+        offset = 0
+        for i, seq in enumerate(sampling):
+            rows = 1 + len(seq.draft_token_ids)
+            used = verdict.accepted[i] + (verdict.final[i] is not None)
+            if offset in by_row:
+                logprobs = by_row[offset]
+                for row in range(offset + 1, offset + used):
+                    logprobs.extend(by_row[row])
+                out[seq.request_id] = logprobs
+            offset += rows
+        return out
 
     def _sampling_batch(self, sampling: list[Sequence]) -> SamplingBatch:
         """The sampler's per-row inputs, rebuilt only when the sampling sequences change."""
@@ -349,6 +403,11 @@ class Engine:
         if timing is not None:
             timing.sampled_at = sampled_at
             seq.timing = None
+        count = seq.num_new_outputs
+        if count > 1 or (logprobs is not None and len(logprobs.token_logprobs) > 1):
+            # accepted speculative tokens: one output each, as if sampled one per step
+            self._emit_run(seq, count, logprobs, timing)
+            return
         self._outputs.append(RequestOutput(
             request_id=seq.request_id,
             token_ids=[seq.output_token_ids[-1]],
@@ -358,7 +417,32 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=logprobs,
             timing=timing,
+            num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_tokens=seq.num_accepted_tokens,
         ))
+        if seq.finish_reason is not None:
+            self._forget(seq)
+
+    def _emit_run(self, seq: Sequence, count: int, logprobs: Logprobs | None, timing: EngineTiming | None) -> None:
+        """The outputs of the ``count`` tokens one commit appended, in order; the last one ends the
+        request if it ended."""
+        token_ids = seq.output_token_ids[-count:]
+        texts = seq.take_texts(count)
+        last = count - 1
+        for j, (token_id, text) in enumerate(zip(token_ids, texts)):
+            self._outputs.append(RequestOutput(
+                request_id=seq.request_id,
+                token_ids=[token_id],
+                text=text,
+                finish_reason=seq.finish_reason if j == last else None,
+                stop_reason=seq.stop_reason if j == last else None,
+                num_cached_tokens=seq.num_cached_tokens,
+                logprobs=None if logprobs is None else Logprobs(
+                    logprobs.token_logprobs[j:j + 1], logprobs.top_token_ids[j:j + 1], logprobs.top_logprobs[j:j + 1]),
+                timing=timing if j == 0 else None,
+                num_draft_tokens=seq.num_draft_tokens,
+                num_accepted_tokens=seq.num_accepted_tokens,
+            ))
         if seq.finish_reason is not None:
             self._forget(seq)
 
@@ -390,6 +474,7 @@ class Engine:
             num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             aborts_freed=list(self.aborts_freed),
+            **self._speculation_stats(),
         )
 
     def progress(self) -> StepProgress:
@@ -400,6 +485,14 @@ class Engine:
             return StepProgress(self.num_steps, 0.0, 0, self.slowest_token_seconds)
         return StepProgress(self.num_steps, time.monotonic() - in_flight.launched_at, in_flight.batch.num_tokens,
                             self.slowest_token_seconds)
+
+    def _speculation_stats(self) -> dict:
+        spec = self.speculator
+        if spec is None:
+            return {}
+        return {"spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
+                "spec_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_accepted_per_pos": list(spec.accepted_per_pos)}
 
     def take_report(self) -> StepReport | None:
         """Everything that changed since the last report, or None."""
@@ -421,7 +514,9 @@ class Engine:
 
 
 T = TypeVar("T")
-PassResult = tuple[list[int], dict[int, Logprobs], dict[int, str]]
+# per sampling sequence its token (None: a verification the grammar ended early), the logprobs of the rows
+# that asked, the constrained rows that cannot go on, and with proposals how many each accepted
+PassResult = tuple[list[int | None], dict[int, Logprobs], dict[int, str], list[int] | None]
 
 
 class PendingResult(Protocol[T]):
@@ -442,10 +537,10 @@ class StartedPass:
     """A forward pass whose kernels are launched and whose tokens are not read back yet."""
 
     batch: ScheduledBatch
-    tokens: torch.Tensor  # [len(batch.sampling)] int64, on the device
+    tokens: torch.Tensor | None  # [len(batch.sampling)] int64, on the device (None: verified, in ``verdict``)
     captured: CapturedLogprobs | None
     failures: dict[int, str]  # constrained rows that cannot go on (Grammars.apply_mask)
-
+    verdict: Verdict | None = None  # a pass with speculative proposals: what it accepted
 
 Start = Callable[..., StartedPass]
 Finish = Callable[[StartedPass], T]

@@ -258,6 +258,26 @@ class Grammars:
 
     # ------------------------------------------------------------------ the step
 
+    def check_draft(self, seq: "Sequence", draft: list[int]) -> list[int]:
+        """A speculative proposal cut at its first token the grammar forbids (the matcher is left as it was).
+
+        Tokens before the reasoning gate opens (the gate's own last id included) are free; the
+        grammar applies from the token after it, as it does to sampled tokens."""
+        matcher = self._matchers.get(seq.request_id)
+        if matcher is None:
+            return draft
+        start = _gate_opening(seq, draft, self._gates.get(seq.request_id))
+        if start is None:
+            return draft
+        accepted = 0
+        for token_id in draft[start:]:
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                break
+            accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
+        return draft[:start + accepted]
+
     def apply_mask(self, logits: torch.Tensor, sampling: list["Sequence"]) -> dict[int, str]:
         """Mask each constrained row of ``logits`` ([N, V] float32) to its grammar's next tokens.
 
@@ -300,6 +320,58 @@ class Grammars:
             logits[index] = picked
         return failures
 
+    def apply_draft_masks(self, logits: torch.Tensor, sampling: list["Sequence"]) -> dict[int, tuple[int, str]]:
+        """``apply_mask`` for a verification pass: each sampling sequence owns 1 + len(its proposal)
+        consecutive rows, and row j is masked to what the grammar allows after the proposal's first j
+        tokens (the matcher steps through the proposal, then rolls back: it advances only at the commit).
+
+        Returns the requests whose rows cannot go on: request id -> (the first such row, within the
+        sequence's rows, and why)."""
+        if not self._matchers:
+            return {}
+        import xgrammar as xgr
+
+        failures: dict[int, tuple[int, str]] = {}
+        offset = 0
+        for seq in sampling:
+            rows = 1 + len(seq.draft_token_ids)
+            matcher = self._matchers.get(seq.request_id)
+            if matcher is not None:
+                self._mask_draft_rows(xgr, logits, offset, seq, matcher, failures)
+            offset += rows
+        return failures
+
+    def _mask_draft_rows(self, xgr: Any, logits: torch.Tensor, offset: int, seq: "Sequence", matcher: Any,
+                         failures: dict[int, tuple[int, str]]) -> None:
+        draft = seq.draft_token_ids
+        start = _gate_opening(seq, draft, self._gates.get(seq.request_id))
+        if start is None:
+            return  # the gate stays closed through the proposal: every row is free
+        num_rows = 1 + len(draft) - start
+        bitmask = self._bitmask_rows(num_rows)
+        accepted = 0
+        started = time.thread_time()
+        for j in range(num_rows):
+            matcher.fill_next_token_bitmask(bitmask, j)
+            if j == num_rows - 1 or not matcher.accept_token(draft[start + j]):
+                num_rows = j + 1  # later rows follow a token the grammar forbids: verification stops here
+                break
+            accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
+        bitmask = bitmask[:num_rows]
+        if seq.params.structured.kind.startswith("json"):
+            bitmask &= self._json_tokens
+        request_id = seq.request_id
+        if time.thread_time() - started > STEP_BUDGET * num_rows:
+            failures[request_id] = (0, _too_costly())
+        for j in (~bitmask.any(dim=1)).nonzero().flatten().tolist():
+            failures.setdefault(request_id, (start + j, (
+                "The output constraint cannot be met: no token this model can produce continues it.")))
+            break
+        rows = logits[offset + start:offset + start + num_rows]
+        xgr.apply_token_bitmask_inplace(rows, bitmask.to(logits.device, non_blocking=True))
+
     def _bitmask_rows(self, num_rows: int) -> torch.Tensor:
         import xgrammar as xgr
 
@@ -328,6 +400,20 @@ class Grammars:
 
 
 COMPLETE = "complete"
+
+
+def _gate_opening(seq: "Sequence", draft: list[int], gate: tuple[int, ...] | None) -> int | None:
+    """Where the grammar starts within ``draft``: 0 with no gate (or one already open), the index after
+    the token that completes the gate, or None when the gate stays closed through the whole draft."""
+    if gate is None:
+        return 0
+    tail = seq.output_token_ids[len(seq.output_token_ids) - len(gate) + 1:] if len(gate) > 1 else []
+    window = list(tail) + list(draft)
+    for j in range(len(draft)):
+        end = len(tail) + j + 1
+        if end >= len(gate) and tuple(window[end - len(gate):end]) == gate:
+            return j + 1
+    return None
 
 
 def _too_costly() -> str:

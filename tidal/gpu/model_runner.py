@@ -141,7 +141,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, entries: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Run one forward pass; return the logits of the sequences that sample this step
-        (those whose chunk reaches their last token, in entry order)."""
+        (those whose chunk reaches their last token, in entry order; a sequence with a speculative
+        proposal has one row per token it verifies)."""
         batch = self._prepare(entries)
         threads = torch.get_num_threads()
         if self.row_macs is None or threads == 1 or batch.input_ids.shape[0] * self.row_macs >= ONE_THREAD_MACS:
@@ -185,11 +186,17 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + num_new
             table = seq.block_table
-            input_ids.extend(seq.token_ids[start:end])
+            draft = seq.draft_token_ids
+            if draft:  # the last token and a speculative proposal: every row's logits verify one token
+                input_ids.append(seq.token_ids[start])
+                input_ids.extend(draft)
+                logits_rows.extend(range(len(input_ids) - num_new, len(input_ids)))
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                if end == seq.num_tokens:
+                    logits_rows.append(len(input_ids) - 1)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if end == seq.num_tokens:
-                logits_rows.append(len(input_ids) - 1)
             prefill_tables.append(table)
             q_lens.append(num_new)
             seq_lens.append(end)

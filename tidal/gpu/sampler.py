@@ -37,9 +37,13 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 MIN_TEMPERATURE = 1e-5
 
 
-def _is_greedy(params: SamplingParams) -> bool:
+def is_greedy(params: SamplingParams) -> bool:
     # top_k == 1 keeps exactly the argmax, so it is greedy (and ties resolve the same way)
     return params.temperature < MIN_TEMPERATURE or params.top_k == 1
+
+
+def is_penalised(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 class SamplingBatch:
@@ -60,12 +64,10 @@ class SamplingBatch:
         self.output_token_ids = output_token_ids
         self.prompt_token_ids = prompt_token_ids
         self.generators = generators
-        self.sampled_rows = [i for i, p in enumerate(params) if not _is_greedy(p)]  # the rest: argmax
+        self.sampled_rows = [i for i, p in enumerate(params) if not is_greedy(p)]  # the rest: argmax
         self.sampled_params = [params[i] for i in self.sampled_rows]
         self.sampled_generators = [generators[i] for i in self.sampled_rows]
-        self.penalised = any(
-            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            for p in params)
+        self.penalised = any(map(is_penalised, params))
         self._plain_scales: torch.Tensor | None = None
         self._plain_scales_vocab = -1  # the vocabulary size _plain_scales was decided for
 
@@ -226,6 +228,12 @@ def _sample_rows(
     draw = _cpu_draw(logits)
     if draw is not None and plain_scales is not None:  # softmax, temperature and draw in one pass per row
         return draw(logits, plain_scales, _uniforms(generators))
+    return draw_from(filtered_probs(logits, params), generators)
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row draws from: temperature, softmax, then top-k, top-p and min-p
+    (unnormalised: filtered tokens are 0). Edits ``logits`` in place."""
     if any(p.temperature != 1.0 for p in params):
         logits.div_(_per_row(params, "temperature", logits).unsqueeze(1))
     probs = logits.softmax(dim=-1)
@@ -234,6 +242,12 @@ def _sample_rows(
         # the most likely token always survives top-k/top-p, so the row max is the true max
         threshold = probs.amax(dim=-1, keepdim=True) * _per_row(params, "min_p", probs).unsqueeze(1)
         probs.masked_fill_(probs < threshold, 0.0)
+    return probs
+
+
+def draw_from(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of unnormalised probabilities, seeded rows from their own generator."""
+    draw = _cpu_draw(probs)
     if draw is not None:
         return draw(probs, None, _uniforms(generators))
     return _exponential_race(probs, generators)

@@ -41,6 +41,7 @@ from tidal.wire import FinishReason
 
 if TYPE_CHECKING:
     from tidal.gpu.grammar import Grammars
+    from tidal.gpu.speculative.speculator import Speculator
 
 COMPLETE = "complete"  # Grammars.accept's word for a finished grammar (tidal.gpu.grammar.COMPLETE)
 
@@ -54,6 +55,7 @@ class ScheduledBatch:
     # the sequences whose chunk reaches their last token: each samples one token, in entry order
     sampling: list[Sequence] = field(default_factory=list)
     refused: list[Sequence] = field(default_factory=list)  # finished with ``error`` before scheduling
+    num_draft_tokens: int = 0  # speculative proposals riding this pass (their sequences' draft_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -72,12 +74,14 @@ class Scheduler:
         by_priority: bool = False,
         grammars: Grammars | None = None,
         max_loras: int = 0,
+        speculator: Speculator | None = None,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.by_priority = by_priority
         self.grammars = grammars  # None: no structured output (scheduler tests)
+        self.speculator = speculator  # None: no speculative decoding
         self.compiling: dict[int, Sequence] = {}  # request id -> sequence waiting for its grammar
         self.forks: dict[int, list[Sequence]] = {}  # parent request id -> choices waiting for its prefill
         self.waiting: list[Sequence] = []  # kept sorted by sort_key
@@ -234,14 +238,42 @@ class Scheduler:
                     prefills_sampling.append(seq)
             budget -= num_new
 
+        # 3. speculative proposals for decodes, with what is left of the budget
+        if self.speculator is not None and budget > 0 and decodes:
+            decodes, drafted = self._speculate(decodes, budget, batch)
+            decodes_sampling = [seq for seq, _ in decodes if seq.num_computed_tokens + 1 == seq.num_tokens]
+            decodes += drafted
+            decodes_sampling += [seq for seq, _ in drafted]
+
         batch.entries = decodes + prefills
         batch.sampling = decodes_sampling + prefills_sampling
         return batch
 
+    def _speculate(self, decodes: list[tuple[Sequence, int]], budget: int, batch: ScheduledBatch,
+                   ) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, int]]]:
+        """Give some decodes a proposal (``draft_token_ids``) and the KV slots to verify it; returns
+        the plain decodes and the drafted entries (last token + proposal, computed like a prefill chunk)."""
+        blocks = self.block_manager
+        candidates = [seq for seq, _ in decodes if seq.output_token_ids]
+        drafted: dict[int, tuple[Sequence, int]] = {}
+        for seq, draft in self.speculator.plan(candidates, budget):  # type: ignore[union-attr]
+            if not blocks.can_allocate(seq, 1 + len(draft)):  # no block for all of it: what the last one holds
+                room = len(seq.block_table) * blocks.block_size - seq.num_computed_tokens - 1
+                draft = draft[:max(0, room)]
+            if not draft:
+                continue
+            blocks.allocate(seq, 1 + len(draft))
+            seq.draft_token_ids = draft
+            batch.num_draft_tokens += len(draft)
+            drafted[seq.request_id] = (seq, 1 + len(draft))
+        if not drafted:
+            return decodes, []
+        return [e for e in decodes if e[0].request_id not in drafted], list(drafted.values())
+
     # ------------------------------------------------------------------ after the forward pass
 
-    def commit(self, batch: ScheduledBatch, tokens: list[int],
-               failures: dict[int, str] | None = None) -> list[Sequence]:
+    def commit(self, batch: ScheduledBatch, tokens: list[int | None],
+               failures: dict[int, str] | None = None, accepted: list[int] | None = None) -> list[Sequence]:
         """Book a finished forward pass; ``tokens`` holds one sampled id per ``batch.sampling``.
 
         Sequences that finished since the batch was scheduled (aborted while the pass ran)
@@ -251,36 +283,64 @@ class Scheduler:
         ``error`` instead of a token; they are returned too. A constrained sequence's token advances its grammar (before the next schedule, whose
         masks need it); a choice's first token releases the choices waiting for its prefill
         (its prompt blocks are in the prefix cache now).
+
+        A sequence that carried a proposal (``draft_token_ids``) takes ``accepted[i]`` of its tokens and
+        then its sampled token (None: the grammar cannot go on there, the next step ends it), each
+        checked in turn as if sampled alone: a stop cuts the run where it would have ended without
+        speculation. Only those tokens' KV counts as computed; the rejected tail's slots stay in the
+        sequence's blocks, to be written over.
         """
         blocks = self.block_manager
         block_size = blocks.block_size
         finished = SequenceStatus.FINISHED
         for seq, num_new in batch.entries:
-            if seq.status is not finished:
+            if seq.status is not finished and not seq.draft_token_ids:
                 seq.num_computed_tokens += num_new
                 if seq.num_computed_tokens // block_size > len(seq.block_hashes):  # a block filled up
                     blocks.register_full_blocks(seq)
         appended = []
-        for seq, token_id in zip(batch.sampling, tokens, strict=True):
+        for i, (seq, token_id) in enumerate(zip(batch.sampling, tokens, strict=True)):
+            draft = seq.draft_token_ids
             if seq.status is finished:
                 continue
             appended.append(seq)
             if failures and seq.request_id in failures:
                 self.finish(seq, "abort", failures[seq.request_id])  # its token is not the constraint's
                 continue
-            reason = seq.append_token(token_id)
-            if len(seq.output_token_ids) == 1 and seq.request_id in self.forks:
-                self._release_forks(seq.request_id)
-            if seq.params.structured is not None and self.grammars is not None:
-                verdict = self.grammars.accept(seq, token_id)
-                if verdict == COMPLETE:
-                    reason = reason or "stop"  # complete: it took a stop token under ignore_eos
-                elif verdict is not None and reason is None:
-                    self.finish(seq, "abort", verdict)
-                    continue
-            if reason is not None:
-                self.finish(seq, reason)
+            run = [token_id]
+            if draft:
+                num_accepted = accepted[i] if accepted is not None else 0
+                seq.draft_token_ids = []
+                seq.num_computed_tokens += num_accepted + (token_id is not None)
+                self.speculator.observe(seq, len(draft), num_accepted)  # type: ignore[union-attr]
+                run = draft[:num_accepted] + ([] if token_id is None else [token_id])
+            seq.num_new_outputs = 0
+            for token in run:
+                seq.num_new_outputs += 1
+                if self._take(seq, token):
+                    break
+            else:
+                if draft and seq.num_computed_tokens // block_size > len(seq.block_hashes):
+                    blocks.register_full_blocks(seq)
         return appended
+
+    def _take(self, seq: Sequence, token_id: int) -> bool:
+        """Append one sampled (or accepted) token: release forks, advance the grammar, check the stops.
+        True if the sequence ended with it."""
+        reason = seq.append_token(token_id)
+        if len(seq.output_token_ids) == 1 and seq.request_id in self.forks:
+            self._release_forks(seq.request_id)
+        if seq.params.structured is not None and self.grammars is not None:
+            verdict = self.grammars.accept(seq, token_id)
+            if verdict == COMPLETE:
+                reason = reason or "stop"  # complete: it took a stop token under ignore_eos
+            elif verdict is not None and reason is None:
+                self.finish(seq, "abort", verdict)
+                return True
+        if reason is not None:
+            self.finish(seq, reason)
+            return True
+        return False
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Free a running sequence's blocks and requeue it for recomputation."""

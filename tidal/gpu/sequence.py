@@ -74,7 +74,16 @@ class Sequence:
     # the engine's stamps of its way to the first token; sent with its first output, then None
     timing: "EngineTiming | None" = None
     adapter_id: int | None = None  # the LoRA adapter it runs through; None: the base model
-
+    # speculative decoding: the proposal riding this step's pass after the last token (set by the
+    # scheduler's schedule, cleared by its commit), the speculator's per-sequence state, and the
+    # request's proposed and accepted token counts
+    draft_token_ids: list[int] = field(default_factory=list)
+    speculation: object | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_new_outputs: int = 0  # output tokens the last commit appended (one output each)
+    # len(text) after each output token decoded since the last take: one text piece per token
+    _text_marks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -139,8 +148,10 @@ class Sequence:
         if self.finish_reason == "stop" and self.detokenizer.stop_string is None:
             end -= 1  # the stop token
         detokenizer = self.detokenizer
+        marks = self._text_marks
         for token_id in self.output_token_ids[self.num_detokenized:end]:
             self.text += detokenizer.append(token_id)
+            marks.append(len(self.text))
         self.num_detokenized = max(end, self.num_detokenized)
         if self.finish_reason is not None and self.finish_reason != "abort":
             self.text += detokenizer.flush()
@@ -149,4 +160,16 @@ class Sequence:
         """The text released since the last call (decoding what is still undecoded)."""
         self.detokenize()
         text, self.text = self.text, ""
+        self._text_marks.clear()
         return text
+
+    def take_texts(self, count: int) -> list[str]:
+        """The text released since the last take, cut into one piece per output token of the last
+        ``count`` (a stop token's piece is empty; what the end releases goes with the last)."""
+        self.detokenize()
+        text, marks = self.text, self._text_marks
+        self.text, self._text_marks = "", []
+        pieces = [text[a:b] for a, b in zip([0] + marks, marks)][-count:]
+        pieces += [""] * (count - len(pieces))
+        pieces[-1] += text[marks[-1] if marks else 0:]
+        return pieces

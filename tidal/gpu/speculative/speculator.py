@@ -1,0 +1,124 @@
+"""How many tokens each sequence proposes this step, and the books of what was accepted.
+
+Verification costs rows in the pass: on a CPU a decode step reads every weight once whatever its
+rows, so a few extra rows are nearly free at small batches, and not once the batch's own rows fill
+the step. So each step:
+
+* the batch's proposed tokens stay within ``MAX_VERIFY_ROWS`` rows in all (decodes included) and
+  within the step's token budget: a batch that already fills them proposes nothing (K = 0) and runs
+  exactly as without speculation;
+* each sequence proposes at most as many tokens as its own recent acceptance pays for: with a
+  per-token acceptance estimate ``a``, the j-th proposed token is worth ``a**j`` expected tokens and
+  is proposed only while that is at least ``MIN_GAIN``. A sequence whose proposals keep failing
+  proposes nothing; its estimate drifts back to the prior while it rests, so it tries again later;
+* never past the request's max_tokens or the model's length (each step still yields one token more
+  than it accepts).
+
+Pure Python over ``Sequence``; the n-gram search is ``ngram.NgramIndex``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from tidal.gpu.speculative.ngram import NgramIndex
+from tidal.wire import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from tidal.gpu.sequence import Sequence
+
+MAX_VERIFY_ROWS = 16  # rows of one pass (decodes + proposed tokens) beyond which nothing is proposed
+MIN_GAIN = 0.2  # expected accepted tokens a proposed token must be worth
+PRIOR_ACCEPTANCE = 0.5
+PRIOR_WEIGHT = 2.0  # the prior counts as this many verified tokens
+DECAY = 0.8  # weight of the past in the acceptance estimate, per verification
+REST_DECAY = 0.95  # per step without a proposal: the estimate's way back to the prior
+
+
+class SequenceSpeculation:
+    """One sequence's n-gram index and acceptance estimate (decayed counts of verified tokens)."""
+
+    __slots__ = ("index", "accepted", "verified")
+
+    def __init__(self) -> None:
+        self.index = NgramIndex()
+        self.accepted = 0.0
+        self.verified = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.verified + PRIOR_WEIGHT)
+
+    def limit(self, k: int) -> int:
+        """How many proposed tokens the acceptance estimate pays for, at most ``k``."""
+        a = self.acceptance
+        if a >= 1.0:
+            return k
+        if a <= MIN_GAIN:
+            return 0
+        return min(k, int(math.log(MIN_GAIN) / math.log(a)))
+
+    def observe(self, num_proposed: int, num_accepted: int) -> None:
+        trials = min(num_accepted + 1, num_proposed)  # the tokens checked: up to the first rejection
+        self.accepted = DECAY * self.accepted + num_accepted
+        self.verified = DECAY * self.verified + trials
+
+    def rest(self) -> None:
+        self.accepted *= REST_DECAY
+        self.verified *= REST_DECAY
+
+
+class Speculator:
+    """The engine's speculative decoding: proposals per step, and the counts /metrics shows."""
+
+    def __init__(self, config: SpeculativeConfig, grammars: Any = None) -> None:
+        self.k = config.num_speculative_tokens
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.grammars = grammars  # Grammars: a constrained proposal ends at its first forbidden token
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.k
+
+    def plan(self, decodes: list[Sequence], budget: int) -> list[tuple[Sequence, list[int]]]:
+        """Proposals for some of this step's decodes (most urgent first), within ``budget`` tokens."""
+        spare = min(budget, MAX_VERIFY_ROWS - len(decodes))
+        planned = []
+        for seq in decodes:
+            if spare <= 0:
+                break
+            draft = self._propose(seq, spare)
+            if draft:
+                planned.append((seq, draft))
+                spare -= len(draft)
+        return planned
+
+    def _propose(self, seq: Sequence, spare: int) -> list[int]:
+        state = seq.speculation
+        if state is None:
+            state = seq.speculation = SequenceSpeculation()
+        assert isinstance(state, SequenceSpeculation)
+        # the step yields one token past what it accepts: stay within max_tokens and the model's length
+        limit = min(state.limit(self.k), spare, seq.max_num_tokens - seq.num_tokens - 1)
+        if limit <= 0:
+            state.rest()
+            return []
+        draft = state.index.propose(seq.token_ids, limit, self.min_n, self.max_n)
+        if draft and self.grammars is not None and seq.params.structured is not None:
+            draft = self.grammars.check_draft(seq, draft)
+        return draft
+
+    def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+        """Book one verification of ``seq``'s proposal (the scheduler's commit)."""
+        state = seq.speculation
+        assert isinstance(state, SequenceSpeculation)
+        state.observe(num_proposed, num_accepted)
+        seq.num_draft_tokens += num_proposed
+        seq.num_accepted_tokens += num_accepted
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.accepted_per_pos
+        for position in range(num_accepted):
+            per_pos[position] += 1

@@ -1,0 +1,61 @@
+"""``--speculative-config``: vLLM's JSON object, checked into a ``wire.SpeculativeConfig``.
+
+Every mistake is one ``ValueError`` line naming the key and its range, which the CLI turns into
+a usage error (exit 2) before any engine starts.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tidal.wire import SpeculativeConfig
+
+METHODS = ("ngram",)
+# methods vLLM knows that tidal does not run yet: named, so the refusal says what is supported
+KNOWN_ELSEWHERE = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+MAX_SPECULATIVE_TOKENS = 16  # a verification pass carries at most this many proposed tokens per sequence
+MAX_PROMPT_LOOKUP = 64  # the longest n-gram matched against the sequence's own tokens
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """The config a ``--speculative-config`` value asks for; ValueError with one line if it is wrong."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config must be a JSON object: {exc.msg} at character {exc.pos}") from None
+    if not isinstance(spec, dict):
+        raise ValueError("--speculative-config must be a JSON object, e.g. "
+                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    method = spec.get("method")
+    if method not in METHODS:
+        known = f"unknown method {method!r}" if method not in KNOWN_ELSEWHERE else f"method {method!r} is not supported"
+        raise ValueError(f"--speculative-config: {known}; supported: {', '.join(METHODS)}")
+    unknown = sorted(set(spec) - set(KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config: unknown key {unknown[0]!r} for method {method!r} "
+                         f"(known: {', '.join(KEYS)})")
+    k = _integer(spec, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
+    high = _integer(spec, "prompt_lookup_max", None, 1, MAX_PROMPT_LOOKUP)
+    low = _integer(spec, "prompt_lookup_min", None, 1, MAX_PROMPT_LOOKUP)
+    # neither bound: n-grams of 5 down to 2 tokens; one alone: the other widens to include it
+    if low is None and high is None:
+        low, high = 2, 5
+    elif low is None:
+        low = min(2, high)
+    elif high is None:
+        high = max(low, 5)
+    if low > high:
+        raise ValueError(f"--speculative-config: prompt_lookup_min ({low}) must not exceed prompt_lookup_max ({high})")
+    return SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_min=low, prompt_lookup_max=high)
+
+
+def _integer(spec: dict, key: str, default: int | None, low: int, high: int) -> int | None:
+    value = spec.get(key, default)
+    if key == "num_speculative_tokens" and value is None:
+        raise ValueError(f"--speculative-config: num_speculative_tokens is required (an integer in [{low}, {high}])")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"--speculative-config: {key} must be an integer in [{low}, {high}], not {value!r}")
+    return value
