@@ -7,7 +7,7 @@ entry that is not a decode (a prompt chunk short of the end: it computes a row b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -25,6 +25,7 @@ class Seq:
     token_ids: list[int]
     num_computed_tokens: int
     block_table: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)  # a speculative proposal after the last token
 
     @property
     def num_tokens(self) -> int:

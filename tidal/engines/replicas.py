@@ -145,9 +145,14 @@ class ReplicaSet:
             s = replica.client.stats  # type: ignore[union-attr]
             total.step = max(total.step, s.step)
             for name in ("num_running", "num_waiting", "num_total_blocks", "num_used_blocks",
-                         "num_cached_blocks", "num_prefix_hit_tokens", "num_preemptions"):
+                         "num_cached_blocks", "num_prefix_hit_tokens", "num_preemptions", "spec_num_drafts",
+                         "spec_num_draft_tokens", "spec_num_accepted_tokens"):
                 setattr(total, name, getattr(total, name) + getattr(s, name))
             total.aborts_freed = [a + b for a, b in zip(total.aborts_freed, s.aborts_freed)]
+            per_pos = total.spec_accepted_per_pos
+            per_pos += [0] * (len(s.spec_accepted_per_pos) - len(per_pos))
+            for position, count in enumerate(s.spec_accepted_per_pos):
+                per_pos[position] += count
         return total
 
     def snapshot(self) -> list[tuple[int, bool, EngineStats, int]]:

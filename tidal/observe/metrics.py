@@ -35,6 +35,19 @@ VLLM_GAUGES = (
 )
 
 
+# speculative decoding's counters: (tidal's name, vLLM's name, the EngineStats field, help)
+SPEC_COUNTERS = (
+    ("tidal:spec_decode_drafts", "vllm:spec_decode_num_drafts", "spec_num_drafts",
+     "Speculative proposals verified (one per sequence and step that carried one)."),
+    ("tidal:spec_decode_draft_tokens", "vllm:spec_decode_num_draft_tokens", "spec_num_draft_tokens",
+     "Speculative tokens proposed and verified."),
+    ("tidal:spec_decode_accepted_tokens", "vllm:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens",
+     "Speculative tokens the target model accepted."),
+)
+SPEC_PER_POS = ("tidal:spec_decode_accepted_tokens_per_pos", "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Speculative tokens accepted, by position in the proposal (0: the first proposed token).")
+
+
 class BatchedObservations:
     """Observations of one histogram child, counted in plain ints and added to it when /metrics
     is rendered (``flush``).
@@ -165,6 +178,20 @@ class Metrics:
         if vllm_names:
             for name, attribute, doc in VLLM_GAUGES:
                 self.vllm_gauges.append((Gauge(name, doc, labels, registry=r), attribute))
+        # speculative decoding (docs/metrics.md): tidal's names, and vLLM's too with --vllm-metric-names;
+        # each EngineStats count is cumulative, so each counter adds what is new since the last scrape
+        self.spec_counters: list[tuple[list[Counter], str]] = []
+        for name, vllm_name, field, doc in SPEC_COUNTERS:
+            counters = [Counter(name, doc, labels, registry=r)]
+            if vllm_names:
+                counters.append(Counter(vllm_name, doc, labels, registry=r))
+            self.spec_counters.append(([c.labels(model_name) for c in counters], field))
+        name, vllm_name, doc = SPEC_PER_POS
+        self.spec_per_pos = [Counter(name, doc, labels + ["position"], registry=r)]
+        if vllm_names:
+            self.spec_per_pos.append(Counter(vllm_name, doc, labels + ["position"], registry=r))
+        self._spec_seen: dict[str, int] = {}
+        self._spec_per_pos_seen: list[int] = []
         m = model_name
         for replica in range(num_replicas):
             for reason in ("load", "prefix"):
@@ -227,6 +254,7 @@ class Metrics:
         self.frontend_requests.labels(m).set(num_frontend_requests)
         if lora is not None:
             self._lora_info(*lora)
+        self._render_speculation(stats)
         if self.vllm_gauges:  # the same values as tidal's own gauges just set
             values = {"num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
                       "kv_cache_usage_perc": stats.num_used_blocks / total}
@@ -245,3 +273,22 @@ class Metrics:
         self.lora_requests_info.clear()
         self.lora_requests_info.labels(str(max_lora), ",".join(sorted(waiting)), ",".join(sorted(running))).set(
             time.time())
+
+    def _render_speculation(self, stats) -> None:
+        """Add the engine's new speculative-decoding counts (as the steps: a restart counts anew)."""
+        m = self.model_name
+        seen = self._spec_seen
+        for counters, field in self.spec_counters:
+            count = getattr(stats, field)
+            new = max(0, count - seen.get(field, 0))
+            seen[field] = count
+            if new:
+                for counter in counters:
+                    counter.inc(new)
+        per_pos, previous = stats.spec_accepted_per_pos, self._spec_per_pos_seen
+        previous += [0] * (len(per_pos) - len(previous))
+        for position, count in enumerate(per_pos):
+            new = max(0, count - previous[position])
+            previous[position] = count
+            for counter in self.spec_per_pos:
+                counter.labels(m, str(position)).inc(new)

@@ -146,6 +146,10 @@ class SpanExport:
             attributes["gen_ai.response.finish_reasons"] = ["abort"]
         if request.abort_reason is not None:
             attributes["tidal.abort_reason"] = request.abort_reason
+        if request.num_draft_tokens:  # speculative decoding: this request's proposals and their acceptance
+            attributes["tidal.spec_draft_tokens"] = request.num_draft_tokens
+            attributes["tidal.spec_accepted_tokens"] = request.num_accepted_tokens
+            attributes["tidal.spec_acceptance_rate"] = request.num_accepted_tokens / request.num_draft_tokens
         if timeline.first_written:
             attributes["tidal.time_to_first_token_s"] = timeline.first_written - timeline.received
         return attributes

@@ -274,6 +274,8 @@ class Frontend:
             self.metrics.inter_output_m.observe(now - request.last_output_time)
         request.last_output_time = now
         request.num_output_tokens += len(output.token_ids)
+        if output.num_draft_tokens:
+            request.num_draft_tokens, request.num_accepted_tokens = output.num_draft_tokens, output.num_accepted_tokens
         if output.finish_reason is not None:
             request.finish_reason = output.finish_reason
             if request.state is RequestState.QUEUED:

@@ -72,6 +72,9 @@ class ActiveRequest:
     # its clock from first byte to last frame, every hop stamped (tidal/observe/timeline.py); the one owner
     timeline: Timeline = field(default_factory=lambda: Timeline(0.0), repr=False)
     num_output_tokens: int = 0  # received from the engine
+    # speculative decoding: tokens proposed for it and accepted, as its latest engine output counted them
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     finish_reason: str | None = None  # the engine's, once it finished the request
     adapter: str | None = None  # the name of the LoRA adapter it runs through; None: the base model
 
