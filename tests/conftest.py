@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 # Without a GPU, Triton kernels can only run in its interpreter, and TRITON_INTERPRET must be
 # set before triton is first imported (transformers may import it early).
 try:
@@ -40,3 +42,47 @@ def pytest_sessionstart(session):
 
         pytest.exit(f"TIDAL_REQUIRE_KERNELS=1 but the CPU kernels did not build:\n{kernels.load_failure()}",
                     returncode=1)
+
+
+@pytest.fixture(scope="session")
+def server_pool():
+    """Live ``tidal serve`` processes shared by name across the run (tests/live_server.py's ServerPool)."""
+    from live_server import ServerPool
+
+    pool = ServerPool()
+    yield pool
+    pool.stop_all()
+
+
+SERVERS_AHEAD = 2  # modules whose servers start while the current module runs
+
+
+@pytest.fixture(scope="session")
+def _module_servers(request, server_pool):
+    """The modules that declare ``SERVER_ARGS`` and use ``server``, in the order they run."""
+    order: list = []
+    for item in request.session.items:
+        module = getattr(item, "module", None)
+        if module is not None and hasattr(module, "SERVER_ARGS") and "server" in item.fixturenames \
+                and module not in order:
+            order.append(module)
+    return order
+
+
+@pytest.fixture(scope="module")
+def server(request, server_pool, _module_servers):
+    """The module's own live server, started from its ``SERVER_ARGS`` and stopped after the module.
+
+    The next modules' servers start meanwhile (through the pool's start slots), so a module rarely
+    waits for its server to start.
+    """
+    module = request.module
+    if not hasattr(module, "SERVER_ARGS"):
+        pytest.fail(f"{module.__name__} uses the server fixture but declares no SERVER_ARGS")
+    if module in _module_servers:
+        at = _module_servers.index(module)
+        for upcoming in _module_servers[at + 1:at + 1 + SERVERS_AHEAD]:
+            server_pool.start(upcoming.__name__, *upcoming.SERVER_ARGS)
+    live = server_pool.get(module.__name__, *module.SERVER_ARGS)
+    yield live
+    server_pool.release(module.__name__)

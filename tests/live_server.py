@@ -1,14 +1,22 @@
-"""Start a real ``tidal serve`` process for a test and talk to it like a user would.
+"""Real ``tidal serve`` processes for the tests, and the one pool that shares them.
 
     with LiveServer("--max-num-seqs", "2") as server:
         httpx.get(server.url + "/health")
         server.metrics()["tidal:kv_cache_blocks_used"]
 
-A free port is picked first. The server's log goes to a file, shown if startup fails.
+    server = server_pool.get("wide", "--min-step-time", "0.05")   # the session fixture: shared by name
+
+Starts are bounded: at most ``TIDAL_TEST_SERVER_STARTS`` (default 2) servers start at once in one pytest
+run, across its threads and any xdist workers, because on two cores side-by-side starts only slow each
+other down. A start is given up only when the server stops making progress (no new log line and no CPU
+used by it or its engine for ``stall_timeout`` seconds) or after a generous overall bound, so a slow,
+loaded host makes a start slow rather than failed; a failed start names the server's last log lines.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import random
 import re
@@ -71,13 +79,55 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+READY_LINE = "tidal ready:"
+STARTS_AT_ONCE = int(os.environ.get("TIDAL_TEST_SERVER_STARTS", "2"))
+LOG_TAIL_LINES = 40
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def _gate_dir() -> str:
+    """One folder of start slots per pytest run: shared by its xdist workers, apart from other runs."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    path = os.path.join(tempfile.gettempdir(), f"tidal-test-starts-{os.getuid()}-{run}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def start_slot():
+    """Hold one of STARTS_AT_ONCE start slots (flock: held per open file, so threads and processes alike)."""
+    gate = _gate_dir()
+    files = [open(os.path.join(gate, f"slot-{i}"), "a") for i in range(STARTS_AT_ONCE)]
+    held = None
+    try:
+        while held is None:
+            for fh in files:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                held = fh
+                break
+            else:
+                time.sleep(0.05)  # every slot is starting a server: look again shortly
+        yield
+    finally:
+        for fh in files:
+            fh.close()  # closing releases the lock
+
+
 class LiveServer:
-    def __init__(self, *args: str, env: dict[str, str] | None = None, start_timeout: float = 120.0):
+    def __init__(self, *args: str, env: dict[str, str] | None = None, start_timeout: float = 900.0,
+                 stall_timeout: float = 180.0):
         self.args = list(args)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = env
-        self.start_timeout = start_timeout
+        self.start_timeout = start_timeout  # overall bound, counted once a start slot is held
+        self.stall_timeout = stall_timeout  # no log line and no CPU for this long: the start is stuck
         self.process: subprocess.Popen | None = None
         self.client = httpx.Client(timeout=10)  # one client: a new one costs ~50 ms of CPU
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="tidal-serve-", suffix=".log", delete=False)
@@ -90,24 +140,71 @@ class LiveServer:
         self.stop()
 
     def start(self) -> None:
-        env = dict(os.environ)
-        env.setdefault("TIDAL_ENGINE_LOG_LEVEL", "WARNING")
-        if self.env:
-            env.update(self.env)
-        cmd = [sys.executable, "-m", "tidal", "serve", "--port", str(self.port), *self.args]
-        self.process = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"tidal serve exited with {self.process.returncode}:\n{self.log()}")
+        """Start the server and return once it says it is ready and /health answers 200."""
+        with start_slot():
+            env = dict(os.environ)
+            env.setdefault("TIDAL_ENGINE_LOG_LEVEL", "WARNING")
+            if self.env:
+                env.update(self.env)
+            cmd = [sys.executable, "-m", "tidal", "serve", "--port", str(self.port), *self.args]
+            self.process = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
             try:
-                if self.client.get(self.url + "/health", timeout=2).status_code == 200:
+                self._wait_ready()
+            except ServerStartError:
+                self.stop()
+                raise
+
+    def _wait_ready(self) -> None:
+        started = last_progress = time.monotonic()
+        log_size, cpu, next_check = 0, 0.0, started
+        while True:
+            text = self.log()
+            if self.process.poll() is not None:
+                self._fail(f"exited with code {self.process.returncode}")
+            now = time.monotonic()
+            if READY_LINE in text:
+                health = self._health()
+                if health == 200:
                     return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"tidal serve did not become healthy:\n{self.log()}")
+                self._fail(f"said it was ready, but /health answered {health}")
+            if now >= next_check:  # once a second: CPU used, and /health (a server logging above INFO)
+                next_check = now + 1.0
+                used = self._cpu_seconds()
+                if used > cpu + 0.01:
+                    cpu, last_progress = used, now
+                if self._health() == 200:
+                    return
+            if len(text) > log_size:
+                log_size, last_progress = len(text), now
+            if now - last_progress > self.stall_timeout:
+                self._fail(f"made no progress for {self.stall_timeout:.0f} s (no log line, no CPU used)")
+            if now - started > self.start_timeout:
+                self._fail(f"was not ready after {self.start_timeout:.0f} s")
+            time.sleep(0.1)
+
+    def _health(self) -> int | None:
+        try:
+            return self.client.get(self.url + "/health", timeout=5).status_code
+        except httpx.HTTPError:
+            return None
+
+    def _cpu_seconds(self) -> float:
+        import psutil
+
+        try:
+            root = psutil.Process(self.process.pid)
+            total = 0.0
+            for proc in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    times = proc.cpu_times()
+                    total += times.user + times.system
+            return total
+        except psutil.Error:
+            return 0.0
+
+    def _fail(self, why: str) -> None:
+        tail = "\n".join(self.log().splitlines()[-LOG_TAIL_LINES:])
+        raise ServerStartError(f"tidal serve {' '.join(self.args)} {why}; its last log lines:\n{tail}")
 
     def log(self) -> str:
         if self.log_file.closed:  # stopped: the file is gone, its text was kept
@@ -166,7 +263,7 @@ class LiveServer:
 
 
 def start_all(servers: list[LiveServer]) -> None:
-    """Start servers side by side: most of a start is waiting on another process's imports."""
+    """Start servers side by side (through the start slots); stop them all if one fails."""
     errors: list[BaseException] = []
 
     def start(server: LiveServer) -> None:
@@ -195,40 +292,62 @@ def stop_all(servers: list[LiveServer]) -> None:
 
 
 class ServerPool:
-    """Servers with different flags, all started at once in threads the first time any is needed.
+    """Live servers by name, shared by every test that names them (the session's ``server_pool`` fixture).
 
-    A ``tidal serve`` start is mostly waiting on another process's imports, so side-by-side starts
-    cost little more than one. ``get`` waits only for the server asked for.
+    ``start`` begins a server in a background thread (through the start slots), so a package can ask
+    for all of its servers at once and each test waits only for its own; ``get`` returns it running,
+    starting it again if it died while it idled (a server with a short engine heartbeat can be declared
+    dead while a loaded host starves it); ``release`` stops it when its tests are done.
     """
 
-    def __init__(self, flags: dict[str, tuple[str, ...]], server_class: type[LiveServer] = LiveServer):
-        self.server_class = server_class
-        self.servers = {name: server_class(*args) for name, args in flags.items()}
-        self.errors: dict[str, BaseException] = {}
-        self.threads = {name: threading.Thread(target=self._start, args=(name,), daemon=True) for name in flags}
-        for thread in self.threads.values():
+    def __init__(self):
+        self._servers: dict[str, LiveServer] = {}
+        self._threads: dict[str, threading.Thread] = {}
+        self._errors: dict[str, BaseException] = {}
+        self._lock = threading.Lock()
+
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
+        with self._lock:
+            if name in self._servers:
+                if self._servers[name].args != list(args) or self._servers[name].env != env:
+                    raise ValueError(f"server {name!r} is already in the pool with other flags")
+                return
+            server = self._servers[name] = LiveServer(*args, env=env)
+            thread = self._threads[name] = threading.Thread(target=self._start, args=(name, server), daemon=True)
             thread.start()
 
-    def _start(self, name: str) -> None:
+    def _start(self, name: str, server: LiveServer) -> None:
         try:
-            self.servers[name].start()
+            server.start()
         except BaseException as exc:  # handed to the test that needs this server
-            self.errors[name] = exc
+            self._errors[name] = exc
 
-    def get(self, name: str) -> LiveServer:
-        self.threads[name].join()
-        if name in self.errors:
-            raise RuntimeError(f"{name} did not start") from self.errors[name]
-        server = self.servers[name]
+    def get(self, name: str, *args: str, env: dict[str, str] | None = None) -> LiveServer:
+        self.start(name, *args, env=env)
+        self._threads[name].join()
+        if name in self._errors:
+            raise self._errors[name]
+        server = self._servers[name]
         if server.process.poll() is not None:
-            # Pooled servers idle until their test; one with a 2 s engine heartbeat can be declared
-            # dead while a loaded host starves it. The test needs a live one: start it again.
             server.stop()
-            server = self.servers[name] = self.server_class(*server.args)
+            server = self._servers[name] = LiveServer(*server.args, env=server.env)
             server.start()
         return server
 
-    def stop_all(self) -> None:
-        for thread in self.threads.values():
+    def release(self, *names: str) -> None:
+        """Stop these servers (side by side) and forget them; a later ``get`` starts them afresh."""
+        with self._lock:
+            gone = [(self._threads.pop(n), self._servers.pop(n)) for n in names if n in self._servers]
+            for name in names:
+                self._errors.pop(name, None)
+        for thread, _ in gone:
             thread.join()
-        stop_all(list(self.servers.values()))
+        stop_all([server for _, server in gone])
+
+    def stop_all(self) -> None:
+        self.release(*list(self._servers))
+
+
+def wanted(session, names) -> list[str]:
+    """Which of these fixture names the collected tests use (what a package's pool should start)."""
+    return sorted({name for item in session.items for name in getattr(item, "fixturenames", ()) if name in names})

@@ -11,7 +11,6 @@ import time
 
 import httpx
 import pytest
-from live_server import LiveServer
 
 from .support import assert_openai_error, sse_data
 
@@ -19,11 +18,7 @@ COMPILE_TIMEOUT = 0.5
 SLOW_SCHEMA = {"enum": [f"value-{i:05d}" for i in range(20000)]}  # seconds to compile, even on a fast host
 
 
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer("--min-step-time", "0.01", "--num-kv-blocks", "256",
-                    "--grammar-compile-timeout", str(COMPILE_TIMEOUT)) as s:
-        yield s
+SERVER_ARGS = ("--min-step-time", "0.01", "--num-kv-blocks", "256", "--grammar-compile-timeout", str(COMPILE_TIMEOUT))
 
 
 def completion(server, stream=False, **extra) -> httpx.Response:

@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from live_server import LiveServer
 
 from .support import assert_openai_error, sse_chunks
 
 PROMPT = list(range(100, 140))  # 40 tokens: two full 16-token blocks and 8 more
 
 
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer("--max-num-seqs", "4", "--max-queued-requests", "2", "--num-kv-blocks", "256",
-                    "--min-step-time", "0.01") as s:
-        yield s
+SERVER_ARGS = ("--max-num-seqs", "4", "--max-queued-requests", "2", "--num-kv-blocks", "256", "--min-step-time", "0.01")
 
 
 

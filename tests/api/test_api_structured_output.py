@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 import xgrammar
 import xgrammar.testing
-from live_server import LiveServer, parse_metrics
+from live_server import parse_metrics
 
 from .support import assert_openai_error, sse_chunks
 
@@ -38,10 +38,7 @@ MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 MAX_TOKENS = 200
 
 
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer("--min-step-time", "0.01", "--num-kv-blocks", "256") as s:
-        yield s
+SERVER_ARGS = ("--min-step-time", "0.01", "--num-kv-blocks", "256")
 
 
 

@@ -12,7 +12,6 @@ import json
 import httpx
 import jsonschema
 import pytest
-from live_server import LiveServer
 
 from .support import assert_openai_error
 
@@ -30,10 +29,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 HERMES_CALL = 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer("--tool-call-parser", "hermes", "--num-kv-blocks", "256") as s:
-        yield s
+SERVER_ARGS = ("--tool-call-parser", "hermes", "--num-kv-blocks", "256")
 
 
 

@@ -8,7 +8,14 @@ import re
 
 import pytest
 
-from .support import AUTH, SERVED_MODEL
+from .think_model import AUTH, SERVED_MODEL
+
+
+@pytest.fixture(scope="module")
+def server(think_server):
+    """This module's tests talk to the think-model server."""
+    return think_server
+
 
 pytestmark = pytest.mark.slow
 

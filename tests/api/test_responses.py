@@ -14,7 +14,14 @@ import httpx
 import jsonschema
 import pytest
 
-from .support import API_KEY, AUTH, SERVED_MODEL
+from .think_model import API_KEY, AUTH, SERVED_MODEL
+
+
+@pytest.fixture(scope="module")
+def server(think_server):
+    """This module's tests talk to the think-model server."""
+    return think_server
+
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,15 @@ from __future__ import annotations
 import anthropic
 import pytest
 
-from .support import API_KEY, SERVED_MODEL
+from .think_model import API_KEY, SERVED_MODEL
 from .test_responses import assert_disconnect_frees_kv
+
+
+@pytest.fixture(scope="module")
+def server(think_server):
+    """This module's tests talk to the think-model server."""
+    return think_server
+
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,5 @@
-"""The test model of tests/apis: a random Qwen3 whose chat template thinks between <think> tags."""
+"""The think model of the Responses, Messages, reasoning and tokenize tests: a random Qwen3 whose chat
+template thinks between <think> tags."""
 
 from __future__ import annotations
 

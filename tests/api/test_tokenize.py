@@ -6,7 +6,14 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from .support import API_KEY, AUTH, MAX_MODEL_LEN, SERVED_MODEL
+from .think_model import API_KEY, AUTH, MAX_MODEL_LEN, SERVED_MODEL
+
+
+@pytest.fixture(scope="module")
+def server(think_server):
+    """This module's tests talk to the think-model server."""
+    return think_server
+
 
 pytestmark = pytest.mark.slow
 
