@@ -89,9 +89,11 @@ async def test_a_paused_reader_whose_output_fits_the_bound_is_served_in_full(ser
     m0 = await metrics_async(server)
     sock = await open_raw(server.port, completion_body(60), rcvbuf=1024)
     try:
+        # paused until well after the engine finished: its last report has freed the request's blocks
         await wait_for_async(server, lambda m: m["tidal:generation_tokens_total"]
-                             >= m0["tidal:generation_tokens_total"] + 60, timeout=30)
-        await trio.sleep(1.0)  # paused well after the engine finished
+                             >= m0["tidal:generation_tokens_total"] + 60
+                             and m["tidal:num_requests_running"] == 0 and m["tidal:kv_cache_blocks_used"] == 0,
+                             timeout=30)
         with trio.fail_after(30):
             answer = parse_raw_sse(await read_response(sock))
     finally:
