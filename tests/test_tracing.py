@@ -116,8 +116,7 @@ def collector():
 
 @pytest.fixture(scope="module")
 def server(collector):
-    with LiveServer("--otlp-traces-endpoint", collector.url, "--min-step-time", str(STEP), "--no-ui",
-                    start_timeout=600) as s:
+    with LiveServer("--otlp-traces-endpoint", collector.url, "--min-step-time", str(STEP), "--no-ui") as s:
         yield s
 
 

@@ -15,8 +15,7 @@ PAIRS = (("vllm:num_requests_waiting", "tidal:num_requests_waiting"),
 
 
 def test_vllm_named_gauges_equal_tidals_while_requests_run():
-    with LiveServer("--vllm-metric-names", "--min-step-time", "0.05", "--max-num-seqs", "1", "--no-ui",
-                    start_timeout=600) as server:
+    with LiveServer("--vllm-metric-names", "--min-step-time", "0.05", "--max-num-seqs", "1", "--no-ui") as server:
         idle = server.metrics()
         for vllm, tidal in PAIRS:
             assert idle[vllm] == idle[tidal] == 0

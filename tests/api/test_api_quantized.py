@@ -62,7 +62,7 @@ def test_quantization_at_load_is_on_the_ready_line(flags, weights, ran_as):
 
 
 def test_quantizing_an_already_quantized_checkpoint_stops_the_start(w4a16_dir):
-    server = LiveServer("--model", w4a16_dir, "--quantization", "int8", "--num-kv-blocks", "64", start_timeout=90)
+    server = LiveServer("--model", w4a16_dir, "--quantization", "int8", "--num-kv-blocks", "64")
     with pytest.raises(RuntimeError, match="already quantized"):
         server.start()
     server.stop()
@@ -70,7 +70,7 @@ def test_quantizing_an_already_quantized_checkpoint_stops_the_start(w4a16_dir):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU with FP8 would run it")
 def test_fp8_without_a_gpu_stops_the_start_in_one_line():
-    server = LiveServer("--model", "tidal-tiny", "--quantization", "fp8", "--num-kv-blocks", "64", start_timeout=90)
+    server = LiveServer("--model", "tidal-tiny", "--quantization", "fp8", "--num-kv-blocks", "64")
     with pytest.raises(RuntimeError, match=r"--quantization fp8 needs a CUDA GPU with FP8 \(compute capability 8\.9\+\)"):
         server.start()
     server.stop()

@@ -50,8 +50,9 @@ def finish_reasons(events: list[str]) -> list:
     return [json.loads(e).get("choices", [{}])[0].get("finish_reason") for e in events[:-1]]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def dp_server():
+    """Shared: the spread test disturbs nothing; the killed-replica test (after it) counts its own."""
     with LiveServer(*FLAGS) as server:
         yield server
 

@@ -294,7 +294,7 @@ def test_two_nodes_on_loopback_serve_restart_and_shut_down_together(served_model
     # The bounds below are for a busy host (two nodes' ranks, a restart and its rendezvous on shared
     # cores): each wait ends at its event, so they cost nothing when the host is idle.
     try:
-        with LiveServer(*node_flags, "--node-rank", "0", start_timeout=600) as server:
+        with LiveServer(*node_flags, "--node-rank", "0") as server:
             # node 0 runs rank 0 only; `tidal serve --node-rank 1` became node 1's launcher of rank 1
             engine = server.engine_pid()
             assert rank_pids(engine) == []
