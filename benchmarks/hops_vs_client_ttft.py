@@ -23,7 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from live_server import LiveServer  # noqa: E402
-from test_tracing import Collector, _attributes  # noqa: E402
+from test_tracing import Collector, span_attributes  # noqa: E402
 
 
 def main() -> None:
@@ -33,8 +33,7 @@ def main() -> None:
     args = ap.parse_args()
     collector = Collector()
     rows = []
-    with LiveServer("--model", args.model, "--otlp-traces-endpoint", collector.url, "--no-ui",
-                    start_timeout=900) as server:
+    with LiveServer("--model", args.model, "--otlp-traces-endpoint", collector.url, "--no-ui") as server:
         sock = socket.create_connection(("127.0.0.1", server.port))
         for i in range(args.requests):
             trace_id = os.urandom(16)
@@ -52,7 +51,7 @@ def main() -> None:
                 if first is None and b'"content":"' in data.split(b"data: ", 2)[-1] if b"data: " in data else False:
                     first = time.monotonic()
             root, hops = collector.trace(trace_id)
-            a = _attributes(root)
+            a = span_attributes(root)
             received = root.start_time_unix_nano
             to_first = [h for h in hops if h.name != "stream"]
             hop_sum = (to_first[-1].end_time_unix_nano - received) / 1e6

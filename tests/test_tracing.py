@@ -90,10 +90,10 @@ class Collector:
 
 
 def _num_hops(root) -> int:
-    return int(_attributes(root).get("tidal.num_hops", -1))
+    return int(span_attributes(root).get("tidal.num_hops", -1))
 
 
-def _attributes(span) -> dict:
+def span_attributes(span) -> dict:
     out = {}
     for kv in span.attributes:
         v = kv.value
@@ -130,7 +130,7 @@ def test_a_streamed_request_is_one_span_under_the_callers_trace_with_its_hops_in
     assert chunks[-1].choices[0].finish_reason == "length"
     root, hops = collector.trace(trace_id)
     assert root.parent_span_id == parent_id, "the request span is a child of the caller's span"
-    attributes = _attributes(root)
+    attributes = span_attributes(root)
     assert attributes["gen_ai.operation.name"] == "chat"
     assert attributes["gen_ai.request.model"] == "tidal-tiny"
     assert attributes["gen_ai.usage.output_tokens"] == 8
@@ -167,8 +167,8 @@ def test_a_cancelled_request_ends_its_span_with_the_abort_reason(server, collect
     root, hops = collector.trace(trace_id)
     assert root.status.code == 2  # STATUS_CODE_ERROR
     assert root.status.message == "client_disconnect"
-    assert _attributes(root)["tidal.abort_reason"] == "client_disconnect"
-    assert _attributes(root)["gen_ai.response.finish_reasons"] == ["abort"]
+    assert span_attributes(root)["tidal.abort_reason"] == "client_disconnect"
+    assert span_attributes(root)["gen_ai.response.finish_reasons"] == ["abort"]
     assert hops[-1].name == "stream"
 
 
@@ -196,7 +196,7 @@ def test_a_slow_client_shows_its_coalescing(server, collector):
         data += chunk
     sock.close()
     root, _ = collector.trace(trace_id)
-    attributes = _attributes(root)
+    attributes = span_attributes(root)
     assert attributes["tidal.coalesced_outputs"] > 0 and attributes["tidal.max_backlog"] > 1, attributes
     assert attributes["tidal.frames"] < 1500  # fewer frames than tokens: the client got merged deltas
 
