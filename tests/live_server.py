@@ -15,11 +15,14 @@ loaded host makes a start slow rather than failed; a failed start names the serv
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
+import functools
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -88,11 +91,14 @@ class ServerStartError(RuntimeError):
     pass
 
 
+@functools.cache
 def _gate_dir() -> str:
     """One folder of start slots per pytest run: shared by its xdist workers, apart from other runs."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-    path = os.path.join(tempfile.gettempdir(), f"tidal-test-starts-{os.getuid()}-{run}")
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    path = os.path.join(tempfile.gettempdir(), f"tidal-test-starts-{os.getuid()}-{run or f'pid{os.getpid()}'}")
     os.makedirs(path, exist_ok=True)
+    if not run:  # xdist workers share theirs, and any of them may outlive the others
+        atexit.register(shutil.rmtree, path, True)
     return path
 
 
