@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -11,7 +12,6 @@ import time
 import pytest
 
 from hf_models import make_hf_model
-from live_server import LiveServer
 
 
 def run_serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -89,8 +89,10 @@ def test_missing_model_directory_and_bad_flags():
 
 
 def test_port_in_use_is_a_clear_error():
-    with LiveServer("--model", "tidal-test") as server:
-        result = run_serve("--model", "tidal-test", "--port", str(server.port))
+    with socket.socket() as other:  # another program listening on the port
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        result = run_serve("--model", "tidal-test", "--port", str(other.getsockname()[1]))
         assert result.returncode == 2
         assert "Address already in use" in result.stderr and "Traceback" not in result.stderr
         assert "engine ready" not in result.stderr  # refused before the model was loaded
