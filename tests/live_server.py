@@ -310,6 +310,7 @@ class ServerPool:
         self._servers: dict[str, LiveServer] = {}
         self._threads: dict[str, threading.Thread] = {}
         self._errors: dict[str, BaseException] = {}
+        self._stopping: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
@@ -341,17 +342,27 @@ class ServerPool:
         return server
 
     def release(self, *names: str) -> None:
-        """Stop these servers (side by side) and forget them; a later ``get`` starts them afresh."""
+        """Forget these servers and stop them in the background (a drain takes seconds the next tests
+        need not wait for); a later ``get`` starts them afresh."""
         with self._lock:
             gone = [(self._threads.pop(n), self._servers.pop(n)) for n in names if n in self._servers]
             for name in names:
                 self._errors.pop(name, None)
-        for thread, _ in gone:
-            thread.join()
-        stop_all([server for _, server in gone])
+
+        def stop() -> None:
+            for thread, _ in gone:
+                thread.join()
+            stop_all([server for _, server in gone])
+
+        if gone:
+            stopping = threading.Thread(target=stop, daemon=True)
+            stopping.start()
+            self._stopping.append(stopping)
 
     def stop_all(self) -> None:
         self.release(*list(self._servers))
+        for stopping in self._stopping:
+            stopping.join()
 
 
 def wanted(session, names) -> list[str]:
