@@ -31,8 +31,8 @@ LONG_STEP = 30.0  # seconds: three times the default heartbeat timeout, thirty t
 
 def test_a_30_s_step_is_served_and_a_stopped_engine_is_dead_within_the_timeout():
     """One 30 s step on --engine-heartbeat-timeout 1: answered, /health 200 mid-step; SIGSTOP: dead."""
-    with LiveServer("--model", "tidal-test", "--min-step-time", str(LONG_STEP), "--engine-heartbeat-timeout", "1", "--no-ui",
-                    start_timeout=240) as server:
+    with LiveServer("--model", "tidal-test", "--min-step-time", str(LONG_STEP), "--engine-heartbeat-timeout", "1",
+                    "--no-ui") as server:
         with httpx.Client(timeout=LONG_STEP * 4) as client:
             started = time.monotonic()
             with _HealthPoller(server) as mid_step:
@@ -122,7 +122,7 @@ def _dequantize(gguf_path, target) -> None:
 def test_a_2000_token_prompt_to_the_real_model_on_a_1_s_heartbeat_is_answered(smollm2_hf_dir):
     """One prefill step of 2,000+ tokens outlasts a 1 s heartbeat timeout on a loaded host: answered."""
     with LiveServer("--model", smollm2_hf_dir, "--engine-heartbeat-timeout", "1", "--no-ui",
-                    "--max-num-batched-tokens", "4096", start_timeout=300) as server:
+                    "--max-num-batched-tokens", "4096") as server:
         prompt = "The tide comes in over the flats, and the boats lift off the mud one by one. " * 120
         answer = server.client.post(server.url + "/v1/completions", timeout=600,
                                     json={"prompt": prompt, "max_tokens": 4, "ignore_eos": True})

@@ -29,7 +29,7 @@ def server(smollm2_gguf, smollm2_dir, tmp_path_factory):
     fake_ollama_store(store, str(smollm2_gguf))
     # smollm2_dir: the GGUF's tokenizer is converted once (cached) before the server's clock starts
     with LiveServer("--model", "ollama:smollm2:135m", "--served-model-name", MODEL, "--max-model-len", "2048",
-                    env={"OLLAMA_MODELS": str(store)}, start_timeout=900) as live:
+                    env={"OLLAMA_MODELS": str(store)}) as live:
         yield live
 
 
