@@ -701,3 +701,20 @@ def test_an_input_len_shorter_than_the_template_is_named(tmp_path, capsys):
     report = run_cli_against_stub(tmp_path, "--input-len", "5")
     assert "adds 7 tokens to every prompt" in capsys.readouterr().err
     assert [r["prompt_tokens"] for r in report["requests"]] == [STUB_TEMPLATE_TOKENS + 1] * 3
+
+
+def test_the_table_shows_the_runs_speculative_acceptance():
+    from tidal.tools.hop_breakdown import HopSnapshot
+
+    text = ('tidal:spec_decode_draft_tokens_total{model_name="m"} 40.0\n'
+            'tidal:spec_decode_accepted_tokens_total{model_name="m"} 30.0\n')
+    snapshot = HopSnapshot(text)
+    assert (snapshot.spec["draft_tokens"], snapshot.spec["accepted_tokens"]) == (40.0, 30.0)
+    config = BenchConfig(num_prompts=1, request_rate=math.inf)
+    records = [RequestRecord(success=True, status=200, prompt_tokens=3, output_tokens=2, ttft_s=0.1,
+                             itl_s=[0.05], e2e_s=0.15)]
+    report = build_report(config, "m", records, 1.0)
+    assert "Spec decode" not in bench.format_report(report)
+    report["speculation"] = {"draft_tokens": 40.0, "accepted_tokens": 30.0, "acceptance_rate": 0.75}
+    assert "Spec decode acceptance (accepted/proposed):" in bench.format_report(report)
+    assert "30/40 = 0.75" in bench.format_report(report)

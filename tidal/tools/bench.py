@@ -556,6 +556,11 @@ def format_report(report: dict[str, Any]) -> str:
         ("Output token throughput (tok/s)", num(report["output_throughput"])),
         ("Total token throughput (tok/s)", num(report["total_token_throughput"])),
     ]
+    speculation = report.get("speculation")
+    if speculation:
+        rows.append(("Spec decode acceptance (accepted/proposed)",
+                     f"{speculation['accepted_tokens']:.0f}/{speculation['draft_tokens']:.0f} = "
+                     f"{speculation['acceptance_rate']:.2f}"))
     width = 60
 
     def row(label: str, value: str) -> str:
@@ -767,6 +772,11 @@ async def _main(config: BenchConfig, args: argparse.Namespace) -> int:
         # each request's time as the report gives it (E2E), or until it failed: no hop of it lasted longer
         spans = [r.e2e_s if r.success else r.elapsed_s for r in records]
         report["hops"] = breakdown(hops_before, hops_after, [t for t in spans if t is not None])
+        drafted = hops_after.spec["draft_tokens"] - hops_before.spec["draft_tokens"]
+        if drafted > 0:  # speculative decoding on: its acceptance over this run
+            accepted = hops_after.spec["accepted_tokens"] - hops_before.spec["accepted_tokens"]
+            report["speculation"] = {"draft_tokens": drafted, "accepted_tokens": accepted,
+                                     "acceptance_rate": accepted / drafted}
     print(format_report(report))
     if report.get("hops"):
         print(format_breakdown(report["hops"]))

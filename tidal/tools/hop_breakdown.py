@@ -20,6 +20,7 @@ from tidal.observe.timeline import ENGINE_HOPS, HOP_NAMES
 from tidal.tools.bench_metrics import percentile
 
 _LINE = re.compile(r'^tidal:request_hop_seconds_(bucket|sum|count)\{([^}]*)\}\s+(\S+)$')
+_SPEC_LINE = re.compile(r"^tidal:spec_decode_(draft_tokens|accepted_tokens)_total(?:\{[^}]*\})? (\S+)$", re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -45,6 +46,11 @@ class HopSnapshot:
                 self.sums[hop] += value
             else:
                 self.counts[hop] += value
+
+        # speculative decoding's counters (tidal:spec_decode_*_total), summed over their labels
+        self.spec: dict[str, float] = defaultdict(float)
+        for name, value in _SPEC_LINE.findall(text):
+            self.spec[name] += float(value)
 
     @property
     def empty(self) -> bool:
