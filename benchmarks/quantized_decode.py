@@ -10,7 +10,7 @@ DIR holds one, loads it the way the engine does (``--dtype auto``: on a CPU with
 activations over bf16-stored linear weights; with native bf16, bf16) once per ``--modes`` row: as is
 and with each ``--quantization`` (int8, int4: float activations; w8a8, w4a8: int8 activations), and times ``model.decode_logits`` (or ``model(batch)`` plus ``compute_logits`` where the stack has no head)
 (a mode ``NAME:bf16-head``: that scheme with the LM head packed dense again from the checkpoint, as before every
-scheme rounded it)
+scheme rounded it; ``NAME@G``: that scheme in groups of G inputs, as in quality.py)
 for one decode token per sequence at ``--context`` cached tokens. Rows are repeated ``--rounds`` times,
 interleaved, and the median is reported. The floor is the bytes the step reads in linear weights (integers,
 scales, offsets; the dense LM head) over the host's read bandwidth, measured in the same run (a sum over a
@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 from decode_step import decode_batch, read_bandwidth, time_steps  # noqa: E402
+from quality import with_group  # noqa: E402
 from tidal.gpu.cpu import huge_pages  # noqa: E402
 from tidal.gpu.model import quantization  # noqa: E402
 from tidal.gpu.model.attention import TorchPagedAttention  # noqa: E402
@@ -95,7 +96,7 @@ def main() -> None:
             **{name: (name, "1") for name in quantization.ON_THE_FLY},
             **{f"{name}:bf16-head": (name, "1") for name in quantization.ON_THE_FLY}}
     for label in ["bf16", *(m for m in args.modes.split(",") if m != "bf16")]:
-        quantize, stack = rows[label]
+        quantize, stack = rows[label] if label in rows else (with_group(label), "1")
         os.environ["TIDAL_CPU_STACK"] = stack
         model, config = load_model(model_dir, precision.dtype, torch.device("cpu"), TorchPagedAttention("cpu"),
                                    linear_weights=precision.linear_weights, quantize=quantize)

@@ -43,8 +43,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "(avx512_bf16 or amx_bf16), float32 on other CPUs; the engine-ready log line says which.")
     g.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8", "w4a8", "fp8"],
                    help="Quantize a full-precision checkpoint's linear weights at load: int8 (one scale per "
-                        "output channel) or int4 (one per 128 inputs), read 2x / ~4x fewer bytes per decode step "
-                        "than bf16 (CPU: C++ kernel; CUDA: Triton kernel); w8a8 / w4a8 (CPU): the same weights "
+                        "output channel) or int4 (one per 32 inputs, as llama.cpp's Q4_0), read 2x / ~3.5x fewer "
+                        "bytes per decode step than bf16 (CPU: C++ kernel; CUDA: Triton kernel); w8a8 / w4a8 (CPU): the same weights "
                         "with each step's activations rounded to int8 (blocks of 32, llama.cpp's Q8_0/Q4_0 "
                         "arithmetic): integer math, the faster kernel on every CPU measured, so int8 / int4 run "
                         "as w8a8 / w4a8 on a CPU under --dtype auto (a named --dtype keeps the activations exact); "

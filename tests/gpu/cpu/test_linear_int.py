@@ -72,6 +72,17 @@ def test_quantize_rounds_to_the_nearest_step():
     assert (q.dequantize() - weight).abs().max() <= 0.5 / 127
 
 
+def test_int4_maps_each_groups_signed_extreme_to_minus_8_as_q4_0_does():
+    """All 16 steps in use (amax / 7 steps would leave -8 unused): a group whose extreme is positive gets a negative
+    scale; here every value is within half a step of its rounding."""
+    weight = torch.tensor([[1.0, -0.5, 0.25, 0.0, 0.0, 0.125, -0.375, 1.0],
+                           [-2.0, 1.0, 0.5, 0.0, 1.75, 0.0, 0.0, -0.25]])
+    q = quantize(weight, Scheme(4, 4))
+    assert q.q.tolist() == [[-8, 4, -2, 0, 0, -1, 3, -8], [-8, 4, 2, 0, -8, 0, 0, 1]]
+    assert q.scales.tolist() == [[-0.125, -0.125], [0.25, -0.21875]]
+    assert ((q.dequantize() - weight).abs() <= q.scales.abs().repeat_interleave(4, dim=1) / 2 + 1e-7).all()
+
+
 def test_a_wrong_shape_is_refused(ops):
     weight = PackedInt(quantize(torch.randn(16, 64), Scheme(8, None)), ops)
     with pytest.raises(RuntimeError, match="packed weight has shape"):

@@ -23,10 +23,12 @@ from tidal.wire import AddRequest, EngineConfig, SamplingParams
 
 NUM_NEW_TOKENS = 8
 PROMPTS = [[0, 1013, 318, 2047, 57, 4000, 911], list(range(100, 141)), [0, 8]]
-# o_proj's 8 x 32 = 256 inputs and the MLP's 256 split over two ranks into whole groups of 128
+# o_proj's 8 x 32 = 256 inputs and the MLP's 256 split over two ranks into whole groups of 32
 SPLITS = dict(hidden_size=128, num_attention_heads=8, head_dim=32, intermediate_size=256)
-# down_proj's 384 inputs: 192 per rank, one and a half int4 groups
-MISALIGNED = dict(SPLITS, intermediate_size=384)
+# down_proj's 336 inputs: 168 per rank, five and a quarter int4 groups of 32 (--quantization int4)
+MISALIGNED = dict(SPLITS, intermediate_size=336)
+# down_proj's 384 inputs: 192 per rank, one and a half groups of 128 (a W4A16 checkpoint's)
+MISALIGNED_128 = dict(SPLITS, intermediate_size=384)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -136,34 +138,37 @@ def test_quantizing_a_shard_equals_the_shard_of_the_quantized_weight():
 
 def test_a_shard_that_cuts_a_group_is_refused_naming_the_group_and_its_k():
     weight = quantize(torch.randn(16, 256), ON_THE_FLY["int4"])
-    with pytest.raises(ValueError, match=r"int4 group 128 .* shard's K is 64 \(inputs 64\.\.128 of 256\)"):
-        weight[:, 64:128]
-    zero_points = QuantizedWeight(weight.q, weight.scales, torch.zeros_like(weight.scales, dtype=torch.int8), 4, 128)
-    assert zero_points[:, 128:256].zero_points.shape == (16, 1)
+    with pytest.raises(ValueError, match=r"int4 group 32 .* shard's K is 64 \(inputs 48\.\.112 of 256\)"):
+        weight[:, 48:112]
+    zero_points = QuantizedWeight(weight.q, weight.scales, torch.zeros_like(weight.scales, dtype=torch.int8), 4, 32)
+    assert zero_points[:, 128:256].zero_points.shape == (16, 4)
 
 
 @pytest.mark.parametrize("source", ["--quantization int4", "W4A16 checkpoint"])
 def test_a_split_that_cuts_groups_stops_the_start_in_one_line(source, hf_model_dir, tmp_path):
     model_dir, flags = hf_model_dir("llama", **MISALIGNED), ["--quantization", "int4"]
-    scheme = "--quantization w4a8 (int4 W4A8 group 128)"  # what int4 runs as under --dtype auto on a CPU
+    scheme = "--quantization w4a8 (int4 W4A8 group 32)"  # what int4 runs as under --dtype auto on a CPU
+    inputs, group = 336, 32
     if source == "W4A16 checkpoint":
         pytest.importorskip("compressed_tensors")
         from quantized_checkpoints import write_compressed
 
-        model_dir, flags = write_compressed(model_dir, tmp_path / "w4a16", "W4A16", "pack-quantized"), []
+        model_dir, flags = write_compressed(hf_model_dir("llama", **MISALIGNED_128), tmp_path / "w4a16", "W4A16",
+                                            "pack-quantized"), []
         scheme = "int4 W4A16 group 128 (pack-quantized)"
+        inputs, group = 384, 128
     result = subprocess.run([sys.executable, "-m", "tidal", "serve", "--model", model_dir, *flags,
                              "--tensor-parallel-size", "2", "--port", "0"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 3
-    assert (f"--tensor-parallel-size 2 gives each rank 192 of down_proj's 384 inputs (its shard's K), not whole groups "
-            f"of 128 of the {scheme} weights") in result.stderr
+    assert (f"--tensor-parallel-size 2 gives each rank {inputs // 2} of down_proj's {inputs} inputs (its shard's K), "
+            f"not whole groups of {group} of the {scheme} weights") in result.stderr
     assert "Traceback" not in result.stderr and result.stderr.count("not whole groups") == 1, result.stderr
 
 
 def test_a_per_channel_split_of_the_same_model_loads(hf_model_dir):
     """int8 has one scale per channel: any split is whole rows of it."""
     tokens, _, shapes = run_engine(hf_model_dir("llama", **MISALIGNED), 2, "int8")
-    assert shapes["down"][1:] == (192, 192) and all(len(t) == NUM_NEW_TOKENS for t in tokens)
+    assert shapes["down"][1:] == (168, 168) and all(len(t) == NUM_NEW_TOKENS for t in tokens)
 
 
 # ---------------------------------------------------------------------- served

@@ -14,7 +14,8 @@
 // Layout (quantization.py packs it), output columns in blocks of 8 (one ymm of int32 sums):
 //   int8: [blocks, K/4, 32]: for each 4 inputs, 8 columns x 4 consecutive inputs (signed bytes);
 //   int4: [blocks, K/8, 32]: for each 8 inputs, 8 columns x 4 bytes, byte j = u(8t + j) | u(8t + 4 + j) << 4.
-// scales, offsets: float32 [blocks, groups, 8]. K is padded to a multiple of 32 with zero weights; a group is a
+// scales, offsets: float32 [blocks, groups, 8]; symmetric int4 has no offsets (its 8 * scale comes off as 8 x each
+// block's integer sum of x, exactly, one read stream fewer). K is padded to a multiple of 32 with zero weights; a group is a
 // multiple of 32 inputs (the last may be shorter) or the whole row.
 //
 // 256-bit code on AVX2, with AVX512-VNNI's vpdpbusd where the CPU has it (the tiles below). Both multiply unsigned

@@ -72,6 +72,12 @@ TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, 
             for (int r = 0; r < R; ++r) acc[c][r] = dot2(acc[c][r], low, low_x[r], high, high_x[r]);
           }
         }
+        if (p.offsets == nullptr) {  // symmetric int4: u = q + 8, so sum q x = sum u x - 8 sum x, exactly
+          for (int r = 0; r < R; ++r) {
+            const __m256i excess = _mm256_set1_epi32(8 * p.qsum[(row + r) * xblocks + b]);
+            for (int c = 0; c < C; ++c) acc[c][r] = _mm256_sub_epi32(acc[c][r], excess);
+          }
+        }
       }
       for (int r = 0; r < R; ++r) {
         const __m256 sx = _mm256_set1_ps(p.sx[(row + r) * xblocks + b]);
