@@ -29,7 +29,7 @@ def assert_matches(out: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight, 
     k = weight.q.shape[1]
     terms = weight.q.double().abs() + 8 + (0 if weight.zero_points is None else weight.zero_points.double().abs()
                                            .repeat_interleave(weight.group_size, dim=1)[:, :k])
-    per_weight = terms * weight.scales.double().repeat_interleave(weight.group_size, dim=1)[:, :k]
+    per_weight = terms * weight.scales.double().abs().repeat_interleave(weight.group_size, dim=1)[:, :k]
     magnitude = x.double().abs() @ per_weight.T + (0 if bias is None else bias.double().abs())
     bound = magnitude * (x.shape[-1] + 4) * 2.0**-23 + 1e-30
     error = (out.double() - exact).abs()
@@ -109,7 +109,7 @@ def test_int4_on_bf16_rows_is_the_exact_product_rounded_to_bf16(ops, m, n, half_
     # times the scale enter the float32 sums
     zero_points = 0 if weight.zero_points is None else weight.zero_points.double().abs().repeat_interleave(
         weight.group_size, dim=1)[:, :k]
-    per_weight = (160 + zero_points) * weight.scales.double().repeat_interleave(weight.group_size, dim=1)[:, :k]
+    per_weight = (160 + zero_points) * weight.scales.double().abs().repeat_interleave(weight.group_size, dim=1)[:, :k]
     magnitude = x.double().abs() @ per_weight.T + (0 if bias is None else bias.double().abs())
     bound = exact.abs() * 2.0**-8 + magnitude * (k + 4) * 2.0**-23 + 1e-30
     error = (out.double() - exact).abs()
