@@ -15,6 +15,7 @@ import trio.testing
 import tidal
 from tidal import tokenizer as tokenizer_module
 from tidal.errors import ApiError
+from tidal.service.body_cost import rendered_size
 from tidal.tokenizer import INLINE_MAX_CHARS, MAX_WAITING_PER_WORKER, TOKENIZER_QUEUE_FULL, PromptTokenizer
 
 ASSETS = os.path.join(os.path.dirname(tidal.__file__), "assets", "tidal-tiny")
@@ -47,10 +48,14 @@ async def test_text_at_the_bound_is_inline_and_one_more_character_is_threaded(pr
     assert thread_calls == ["_encode_text"]
 
 
-async def test_chat_bound_counts_message_content(prompt_tokenizer, thread_calls):
-    half = INLINE_MAX_CHARS // 2
-    at_bound = [{"role": "system", "content": "s" * half}, {"role": "user", "content": "u" * half}]
-    over = [{"role": "system", "content": "s" * half}, {"role": "user", "content": "u" * (half + 1)}]
+async def test_chat_bound_counts_everything_the_template_renders(prompt_tokenizer, thread_calls):
+    # roles and each entry count too, not only content (earlier tool calls' arguments: test_body_cost.py)
+    empty = [{"role": "system", "content": ""}, {"role": "user", "content": ""}]
+    room = INLINE_MAX_CHARS - rendered_size((empty, None), 10 * INLINE_MAX_CHARS)
+    half = room // 2
+    at_bound = [{"role": "system", "content": "s" * half}, {"role": "user", "content": "u" * (room - half)}]
+    over = [{"role": "system", "content": "s" * half}, {"role": "user", "content": "u" * (room - half + 1)}]
+    assert rendered_size((at_bound, None), INLINE_MAX_CHARS) == INLINE_MAX_CHARS
     inline_ids = await prompt_tokenizer.encode_chat(at_bound)
     assert thread_calls == []
     threaded_ids = await prompt_tokenizer.encode_chat(over)

@@ -252,3 +252,43 @@ def test_collector_down_costs_no_request_anything_but_counted_drops(server, coll
         assert out.usage.completion_tokens == 4
         assert time.monotonic() - started < 5, "a request waited on the dead collector"
     server.wait_for(lambda m: m["tidal:trace_spans_dropped_total"] > dropped0, timeout=30)
+
+
+def test_a_collector_that_answers_without_end_costs_a_bounded_read():
+    """A hostile collector's endless answer: the exporter keeps at most 64 KiB of it and moves on."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from tidal.observe.otel import EXPORT_TIMEOUT_S, MAX_COLLECTOR_ANSWER_BYTES, BoundedAnswers
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    sent = [0]
+
+    def answer_forever() -> None:
+        conn, _ = listener.accept()
+        conn.recv(1 << 16)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1073741824\r\n\r\n")
+        chunk = b"\0" * (1 << 16)
+        try:
+            while sent[0] < 1 << 30:
+                conn.sendall(chunk)
+                sent[0] += len(chunk)
+        except OSError:
+            pass  # the exporter closed the connection
+        conn.close()
+
+    threading.Thread(target=answer_forever, daemon=True).start()
+    session = BoundedAnswers()
+    exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{listener.getsockname()[1]}/v1/traces",
+                                timeout=EXPORT_TIMEOUT_S, session=session)
+    span = TracerProvider().get_tracer("t").start_span("request")
+    span.end()
+    started = time.monotonic()
+    exporter.export([span])
+    took = time.monotonic() - started
+    response_bytes = sent[0]
+    listener.close()
+    print(f"an endless answer: export returned after {took:.2f} s; the collector got {response_bytes >> 20} MiB out")
+    assert took < EXPORT_TIMEOUT_S * 2 + 2
+    assert response_bytes < 64 << 20  # socket buffers at most, never the 1 GiB it offered
+    assert MAX_COLLECTOR_ANSWER_BYTES == 64 << 10

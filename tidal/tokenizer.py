@@ -11,7 +11,8 @@ than the context's tokens can hold is refused before tokenising.
 The tokenizer is the one ``transformers.AutoTokenizer`` builds for the model directory (see
 ``load_auto_tokenizer``), so prompts get the ids users compare against.
 
-Short prompts (up to ``INLINE_MAX_CHARS`` characters of content) are tokenised on the event
+Short prompts (up to ``INLINE_MAX_CHARS`` characters of everything the template renders:
+content, names, earlier tool calls' arguments, template variables) are tokenised on the event
 loop: that takes tens of microseconds, less than handing the work to a thread and back
 (measured: the thread round trip was a quarter of a short request's frontend CPU).
 """
@@ -27,6 +28,7 @@ from typing import Any
 import trio
 
 from tidal.errors import ApiError, bad_request
+from tidal.service.body_cost import rendered_size
 
 log = logging.getLogger("tidal.tokenizer")
 
@@ -119,7 +121,9 @@ class PromptTokenizer:
         num_chars = sum(len(m["content"]) for m in messages)
         self._check_length(num_chars, "messages")  # the template only adds text
         options = (tools, template_kwargs or {}, add_generation_prompt)
-        if num_chars <= INLINE_MAX_CHARS and not tools:  # tool schemas can make a long prompt: a worker
+        # inline only what renders short: every string the template may render counts (earlier tool
+        # calls' arguments, names, kwargs), not only the content; tool schemas: always a worker
+        if not tools and rendered_size((messages, template_kwargs), INLINE_MAX_CHARS) <= INLINE_MAX_CHARS:
             await trio.lowlevel.checkpoint()
             return self._encode_chat(messages, *options)
         return await self._in_worker(self._encode_chat, messages, *options)

@@ -1,8 +1,8 @@
-"""ResponseStore's three bounds (docs/admission.md): entries, age and text held, oldest out first."""
+"""ResponseStore's three bounds (docs/admission.md): entries, age and bytes kept, oldest out first."""
 
 from __future__ import annotations
 
-from tidal.openai.response_store import ResponseStore
+from tidal.openai.response_store import ResponseStore, stored_size
 
 
 class Clock:
@@ -35,12 +35,27 @@ def test_entries_older_than_max_age_are_gone():
     assert store.get("old") is None and store.get("new") is not None
 
 
-def test_the_text_held_is_bounded_and_an_oversized_entry_never_stored():
-    store = ResponseStore(max_entries=10, max_age=100, max_bytes=10)
+def test_the_bytes_kept_are_bounded_and_an_oversized_entry_never_stored():
+    unit = stored_size({"id": "a"}, turn(""))  # an entry with empty text
+    store = ResponseStore(max_entries=10, max_age=100, max_bytes=2 * unit + 10)
     store.put({"id": "a"}, turn("x" * 6))
     store.put({"id": "b"}, turn("y" * 4))
-    assert store.num_bytes == 10 and store.get("a") and store.get("b")
+    assert store.num_bytes == 2 * unit + 10 and store.get("a") and store.get("b")
     store.put({"id": "c"}, turn("z"))
-    assert store.get("a") is None and store.num_bytes == 5
-    store.put({"id": "huge"}, turn("w" * 11))
+    assert store.get("a") is None and store.num_bytes == 2 * unit + 5
+    store.put({"id": "huge"}, turn("w" * (unit + 11)))
     assert store.get("huge") is None and store.get("b") and store.get("c")
+
+
+def test_everything_an_entry_keeps_is_counted_not_only_its_text():
+    """metadata, tools, instructions, user and empty messages were kept uncounted (+336 MiB for 40 requests)."""
+    bare = stored_size({"id": "r"}, turn("hi"))
+    response = {"id": "r", "instructions": "i" * 1000, "user": "u" * 1000, "metadata": {"k": "v" * 512},
+                "tools": [{"type": "function", "name": "f", "parameters": {"enum": ["x" * 1000]}}]}
+    assert stored_size(response, turn("hi")) > bare + 3500
+    empties = [{"role": "user", "content": ""}] * 1000
+    assert stored_size({"id": "r"}, empties) > 1000 * len('{"role":"user","content":""}')
+    store = ResponseStore(max_entries=1000, max_age=100, max_bytes=40_000)
+    for i in range(40):
+        store.put({**response, "id": f"r{i}"}, turn("hi"))
+    assert store.num_bytes <= 40_000 and len(store) < 40

@@ -167,12 +167,33 @@ def test_an_agents_sdk_agent_runs_a_turn_with_a_function_tool(server):
     ({"input": "word " * 2000}, 400, "input"),
     ({"input": "x", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
     ({"input": "x", "model": "other"}, 404, "model"),
+    ({"input": "x", "max_output_tokens": 2**31}, 400, "max_output_tokens"),
+    ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, 400, "metadata"),
+    ({"input": "x", "metadata": {"k" * 65: "v"}}, 400, "metadata"),
+    ({"input": "x", "metadata": {"k": "v" * 513}}, 400, "metadata"),
 ])
 def test_bad_input_is_a_4xx_in_openai_shape(server, body, status, param):
     answer = server.client.post(server.url + "/v1/responses", headers=AUTH, json=body)
     assert answer.status_code == status, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and error["message"], error
+
+
+def test_metadata_at_openais_bounds_is_kept_and_answered(server):
+    metadata = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}  # 16 pairs, 64-char keys, 512-char values
+    answer = server.client.post(server.url + "/v1/responses", headers=AUTH,
+                                json={"input": "x", "max_output_tokens": 1, "metadata": metadata})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["metadata"] == metadata
+
+
+def test_bounds_are_named_in_the_responses_own_fields(server):
+    answer = server.client.post(server.url + "/v1/responses", headers=AUTH,
+                                json={"input": "x", "max_output_tokens": 2**31})
+    assert "max_output_tokens must be between 1 and 2^31-1" in answer.json()["error"]["message"]
+    answer = server.client.post(server.url + "/v1/responses", headers=AUTH,
+                                json={"input": "x", "metadata": {"k": "v" * 513}})
+    assert "at most 16 pairs, keys of at most 64 characters" in answer.json()["error"]["message"]
 
 
 def test_a_disconnect_mid_stream_frees_the_kv(server):

@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from tidal.gpu.engine import Engine
+from tidal.gpu.grammar import cache_key
 from tidal.wire import AddRequest, EngineConfig, SamplingParams, StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {
@@ -117,18 +118,25 @@ def test_a_repeated_schema_compiles_once_and_the_cache_is_bounded_in_bytes(engin
     for rid in (600, 601):  # one after the other: the second is a cache hit
         run(engine, {rid: SamplingParams(max_tokens=30, temperature=1.0, seed=rid, structured=first)})
     assert grammars.num_compiles == before + 1
-    size = grammars._cache[(first.kind, first.spec)].memory_size_bytes
+    size = grammars._cache[cache_key(first)].memory_size_bytes
     saved = grammars.cache_bytes
     grammars.cache_bytes = size * 3 // 2  # room for one grammar of this size, not two
     try:
         run(engine, {602: SamplingParams(max_tokens=30, temperature=1.0, seed=2, structured=second)})
         assert grammars.num_cached_bytes <= grammars.cache_bytes
-        assert list(grammars._cache) == [(second.kind, second.spec)]  # the others went, oldest first
+        assert list(grammars._cache) == [cache_key(second)]  # the others went, oldest first
         run(engine, {603: SamplingParams(max_tokens=30, temperature=1.0, seed=3, structured=first)})
         assert grammars.num_compiles == before + 3  # evicted by bytes, so compiled again
         assert grammars.num_cached_bytes <= grammars.cache_bytes
     finally:
         grammars.cache_bytes = saved
+
+
+def test_the_cache_keys_a_constraint_by_its_digest_not_its_text():
+    huge = StructuredOutput("json_schema", '{"enum": [' + ",".join(['"v%d"' % i for i in range(100_000)]) + "]}")
+    kind, digest = cache_key(huge)
+    assert kind == "json_schema" and len(digest) == 32  # the text is ~1 MB
+    assert cache_key(StructuredOutput("regex", huge.spec)) != cache_key(huge)
 
 
 def test_the_tokenizer_info_is_built_off_the_step_loop(monkeypatch):

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import msgspec
 
 from tidal.errors import bad_request
+from tidal.openai.responses import Metadata
 
 MAX_MESSAGES = 1024
 INT32_MAX = 2**31 - 1
@@ -86,7 +87,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     top_p: TopP | None = None
     top_k: TopK | None = None
     stream: bool = False
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None  # Anthropic's holds user_id; bounded as OpenAI's
     thinking: Thinking | None = None
 
 

@@ -19,7 +19,7 @@ import msgspec
 from tidal.anthropic import errors
 from tidal.anthropic import messages as shapes
 from tidal.errors import ApiError
-from tidal.openai.requests import decode_struct
+from tidal.openai.requests import read_struct
 from tidal.service.api import Answer, Api, json_answer
 from tidal.service.stream import OutputReader
 
@@ -102,7 +102,7 @@ class MessagesService:
 
     async def respond(self, body: bytes) -> Answer:
         try:
-            request: shapes.MessagesRequest = decode_struct(body, shapes.MessagesRequest)
+            request: shapes.MessagesRequest = await read_struct(body, shapes.MessagesRequest)
             self.api.adapters.resolve(request.model)  # the base model or a LoRA adapter: 404 first for any other
             active, checked = await self.api.admit("chat", {**shapes.chat_request(request), "model": request.model})
             reader = await self.api.first_output(active, checked)

@@ -6,7 +6,7 @@ masks fill a row in microseconds where llguidance took ~0.1-0.2 ms at an 8k voca
 Life of a constrained request:
 
 1. ``Grammars.submit`` starts compiling its constraint on a thread of its own (one compile per
-   distinct constraint, compiled grammars cached by (kind, spec) up to ``cache_bytes`` of
+   distinct constraint, compiled grammars cached by (kind, the spec's digest) up to ``cache_bytes`` of
    xgrammar's own count); the sequence waits in the scheduler's COMPILING place, so it holds no
    KV blocks and no batch slot meanwhile. The tokenizer info the compiler needs is built on the
    first compile's thread, never in the step loop.
@@ -34,6 +34,7 @@ random-weight model can emit whitespace forever, never closing the object.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -60,7 +61,7 @@ MAX_COMPILES = 8  # compile threads alive at once (abandoned ones included); bey
 # ambiguous grammar's matcher grows with the output, and its cost would stall every neighbour
 STEP_BUDGET = 0.02
 _COMPACT = (",", ":")
-_Key = tuple[str, str]
+_Key = tuple[str, bytes]  # (kind, the spec's SHA-256): the cache keeps no constraint's text
 
 
 def _without_control_bytes(decoded_vocab: list[bytes], vocab_size: int) -> torch.Tensor:
@@ -70,6 +71,12 @@ def _without_control_bytes(decoded_vocab: list[bytes], vocab_size: int) -> torch
         if any(b < 0x20 for b in raw):
             allowed[token_id] = False
     return torch.from_numpy(np.packbits(allowed, bitorder="little").view(np.int32).copy())
+
+
+def cache_key(spec: StructuredOutput) -> _Key:
+    """What the cache and the compiles in flight know a constraint by: its kind and a digest of its
+    text, so a megabyte schema kept for its compiled grammar keeps 32 bytes of key, not the megabyte."""
+    return spec.kind, hashlib.sha256(spec.spec.encode()).digest()
 
 
 def _compile_error(exc: Exception) -> str:
@@ -144,7 +151,7 @@ class Grammars:
 
     def submit(self, request_id: int, spec: StructuredOutput) -> None:
         """Start compiling a request's constraint, or join its compile, or take it from the cache."""
-        key = (spec.kind, spec.spec)
+        key = cache_key(spec)
         if spec.after:
             self._gates[request_id] = spec.after
         compiled = self._cache.get(key)

@@ -25,6 +25,7 @@ from tidal.registry.frontend import open_request_scope
 from tidal.http import auth
 from tidal.http.websocket_gate import WS_PATH
 from tidal.openai.encoding import ChunkEncoder
+from tidal.service import body_cost
 from tidal.service.api import Api
 from tidal.observe.timeline import Timeline
 
@@ -104,7 +105,11 @@ class Connection:
                 raw = await websocket.receive()
                 received = time.monotonic()  # a request's clock starts at its message's arrival
                 try:
-                    message = _decode(raw or b"")  # quart-trio hands an empty binary message over as None
+                    # quart-trio hands an empty binary message over as None; a large one is scanned first
+                    message = await body_cost.decode(raw or b"", _decode)
+                except ApiError as error:  # past a bound of what its decode may cost
+                    await self.send(_error_message(_readable_id(raw), error))
+                    continue
                 except msgspec.ValidationError as exc:  # JSON, but not a message: answer its id if it has one
                     await self.send(_error_message(_readable_id(raw), bad_request(f"Invalid message: {exc}")))
                     continue

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import requests
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -36,6 +37,33 @@ EXPORT_DELAY_MS = 500
 EXPORT_TIMEOUT_S = 2.0  # one POST, retries included: the export thread never waits longer per batch
 
 _propagator = TraceContextTextMapPropagator()
+
+
+MAX_COLLECTOR_ANSWER_BYTES = 64 << 10  # of a collector's answer; the exporter needs its status only
+
+
+class BoundedAnswers(requests.Session):
+    """The exporter's HTTP session, reading at most ``MAX_COLLECTOR_ANSWER_BYTES`` of an answer, as
+    sent (never decompressed), for at most ``EXPORT_TIMEOUT_S`` (plus one read's timeout); the rest
+    is dropped with the connection. A hostile or broken collector's endless answer costs nothing."""
+
+    def request(self, method, url, **kwargs):  # type: ignore[override]
+        kwargs["stream"] = True
+        response = super().request(method, url, **kwargs)
+        deadline = time.monotonic() + EXPORT_TIMEOUT_S
+        kept = bytearray()
+        try:
+            while len(kept) < MAX_COLLECTOR_ANSWER_BYTES and time.monotonic() < deadline:
+                data = response.raw.read(min(1 << 14, MAX_COLLECTOR_ANSWER_BYTES - len(kept)), decode_content=False)
+                if not data:
+                    break
+                kept += data
+        except Exception:  # a broken answer: its status is what the exporter reads
+            pass
+        finally:
+            response._content = bytes(kept)
+            response.close()  # not fully read: the connection is closed, not reused
+        return response
 
 
 class _Counted(SpanExporter):
@@ -71,7 +99,8 @@ class SpanExport:
         self._lock = threading.Lock()
         self._queued = 0  # spans handed to the processor and not yet exported (or failed)
         self.num_dropped = 0
-        inner = exporter if exporter is not None else OTLPSpanExporter(endpoint=endpoint, timeout=EXPORT_TIMEOUT_S)
+        inner = exporter if exporter is not None else OTLPSpanExporter(endpoint=endpoint, timeout=EXPORT_TIMEOUT_S,
+                                                                       session=BoundedAnswers())
         self._processor = BatchSpanProcessor(_Counted(inner, self), max_queue_size=max_queued_spans,
                                              schedule_delay_millis=EXPORT_DELAY_MS,
                                              max_export_batch_size=EXPORT_BATCH,

@@ -14,7 +14,7 @@ import msgspec
 from msgspec import Meta
 
 from tidal.errors import NESTED_TOO_DEEPLY, bad_request
-from tidal.service import json_depth
+from tidal.service import body_cost, json_depth
 from tidal.service.tool_calls import named_schema, required_schema
 from tidal.wire import INT32_MAX, SamplingParams, StructuredOutput
 
@@ -187,7 +187,9 @@ _MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
 
 def _error_param(text: str) -> str | None:
     """The offending field's path from msgspec's message; a missing field's path includes its name."""
-    path = text.rsplit("at `$", 1)[-1].rstrip("`").lstrip(".") if "at `$" in text else ""
+    # "... - at `$.a.b`", or for a mapping's key "... - at `key` in `$.a`"
+    path = re.split(r"(?:at|in) `\$", text)[-1].rstrip("`").lstrip(".") if re.search(r"(?:at|in) `\$", text) else ""
+    path = path.replace("[...]", "")  # msgspec's "some value of this mapping": the mapping is the field
     missing = _MISSING_FIELD.search(text)
     if missing:
         path = f"{path}.{missing.group(1)}" if path else missing.group(1)
@@ -201,9 +203,21 @@ def parse_body(kind: Literal["chat", "completions"], body: bytes | dict) -> Chat
     return decode_struct(body, _decoders[kind])
 
 
+async def read_body(kind: Literal["chat", "completions"], body: bytes | dict) -> ChatCompletionRequest | CompletionRequest:
+    """``parse_body``, a large body's cost bounded and paid off the event loop (``read_struct``)."""
+    return await read_struct(body, _decoders[kind] if not isinstance(body, dict) else
+                             (ChatCompletionRequest if kind == "chat" else CompletionRequest))
+
+
+async def read_struct(body: bytes | dict, struct: type | msgspec.json.Decoder) -> Any:
+    """``decode_struct`` for a route's body: a large one is scanned first (413/400 past the bounds of
+    tidal/service/body_cost.py) and decoded on a worker thread. Every route's body goes through here."""
+    return await body_cost.decode(body, lambda raw: decode_struct(raw, struct))
+
+
 def decode_struct(body: bytes | dict, struct: type | msgspec.json.Decoder) -> Any:
     """A body (JSON bytes, or a dict already decoded) as ``struct`` (a Struct, or a Decoder of
-    one); a 400 naming the offending field otherwise. Every route's body goes through here.
+    one); a 400 naming the offending field otherwise.
 
     Everything nested in it (tool parameters, schemas, earlier tool calls) is depth-bounded here,
     before any recursive code sees it (tidal/service/json_depth.py); a number out of its bounds is
@@ -311,7 +325,7 @@ def _template_tool_call(call: ToolCall, param: str) -> dict[str, Any]:
     arguments: Any = call.function.arguments
     if isinstance(arguments, str):
         try:
-            arguments = json_depth.loads(arguments, f"{param}.function.arguments")
+            arguments = _json_text(arguments, f"{param}.function.arguments")
         except json_depth.TooDeep as exc:
             raise bad_request(str(exc), param) from None
         except ValueError:
@@ -320,6 +334,14 @@ def _template_tool_call(call: ToolCall, param: str) -> dict[str, Any]:
     if call.id is not None:
         entry["id"] = call.id
     return entry
+
+
+def _json_text(text: str, what: str) -> Any:
+    """A JSON value a request carries as text (a schema, a tool call's arguments), its cost bounded
+    as a body's is (tidal/service/body_cost.py) before it is decoded."""
+    if len(text) >= body_cost.OFF_LOOP_BYTES:
+        body_cost.check(text.encode())
+    return json_depth.loads(text, what)
 
 
 def completion_prompt(request: CompletionRequest) -> str | list[int]:
@@ -386,7 +408,7 @@ def _schema_text(schema: Any, param: str) -> str:
     output's properties come in the schema's order."""
     if isinstance(schema, str):
         try:
-            schema = json_depth.loads(schema, "the JSON schema")
+            schema = _json_text(schema, "the JSON schema")
         except json_depth.TooDeep as exc:
             raise bad_request(str(exc), param) from None
         except ValueError:

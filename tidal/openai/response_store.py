@@ -3,7 +3,9 @@
 Each stored response keeps the conversation that produced it (chat messages: its history, its
 input, its output) so the next turn needs only its new input. Bounded three ways
 (docs/admission.md): at most ``max_entries`` responses, none older than ``max_age`` seconds, at
-most ``max_bytes`` of text in all; the oldest go first. A missing id is a 404, never a guess.
+most ``max_bytes`` in all, counting everything an entry keeps (the response object with its
+metadata, tools, instructions and user, and the conversation, as JSON bytes: empty messages
+too); the oldest go first. A missing id is a 404, never a guess.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
+
+_encode = msgspec.json.encode
 
 MAX_STORED_RESPONSES = 1024
 MAX_STORED_AGE_S = 3600.0
@@ -22,12 +28,13 @@ MAX_STORED_BYTES = 64 << 20
 class StoredResponse:
     response: dict[str, Any]  # the response object, as answered
     conversation: list[dict[str, Any]]  # chat messages up to and including its output (no instructions)
-    size: int  # characters of text it holds
+    size: int  # bytes of what it keeps, as JSON
     stored_at: float
 
 
-def _size(messages: list[dict[str, Any]]) -> int:
-    return sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or "")) for m in messages)
+def stored_size(response: dict[str, Any], conversation: list[dict[str, Any]]) -> int:
+    """What an entry keeps, in bytes of JSON: a fair count of the memory it holds, whatever its fields."""
+    return len(_encode(response)) + len(_encode(conversation))
 
 
 class ResponseStore:
@@ -44,7 +51,7 @@ class ResponseStore:
         return len(self._entries)
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        size = _size(conversation)
+        size = stored_size(response, conversation)
         if size > self.max_bytes:
             return  # larger than the whole store: never kept (its id will answer 404)
         entry = StoredResponse(response, conversation, size, self.clock())

@@ -21,7 +21,15 @@ from tidal.errors import ApiError, bad_request
 MAX_INPUT_ITEMS = 1024
 INT32_MAX = 2**31 - 1
 # Every number in the body bounded in its type (so /openapi.json and its fuzzer see the bounds)
-MaxOutputTokens = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX, description="max_output_tokens must be at least 1")]
+MaxOutputTokens = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX,
+                                              description="max_output_tokens must be between 1 and 2^31-1")]
+# OpenAI's bounds on metadata: it is kept with a stored response, so what it may hold is bounded
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+METADATA_BOUND = (f"metadata may hold at most {MAX_METADATA_PAIRS} pairs, keys of at most {MAX_METADATA_KEY_CHARS} "
+                  f"characters and string values of at most {MAX_METADATA_VALUE_CHARS}")
+Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=MAX_METADATA_KEY_CHARS)],
+                          Annotated[str, msgspec.Meta(max_length=MAX_METADATA_VALUE_CHARS)]],
+                     msgspec.Meta(max_length=MAX_METADATA_PAIRS, description=METADATA_BOUND)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0, description="temperature must be between 0 and 2")]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0, description="top_p must be in (0, 1]")]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1, description="seed must be a 64-bit signed integer")]
@@ -96,7 +104,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     store: bool = True
     previous_response_id: str | None = None
     stream: bool = False
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension, as in chat
 

@@ -18,7 +18,7 @@ import msgspec
 
 from tidal.errors import ApiError
 from tidal.openai import responses as shapes
-from tidal.openai.requests import decode_struct
+from tidal.openai.requests import read_struct
 from tidal.openai.response_store import ResponseStore
 from tidal.service.api import Answer, Api, error_answer, json_answer
 from tidal.service.stream import OutputReader
@@ -133,7 +133,7 @@ class ResponsesService:
 
     async def respond(self, body: bytes) -> Answer:
         try:
-            request: shapes.ResponsesRequest = decode_struct(body, shapes.ResponsesRequest)
+            request: shapes.ResponsesRequest = await read_struct(body, shapes.ResponsesRequest)
             self.api.adapters.resolve(request.model)  # 404 before anything else for an unknown model
             history: list[dict[str, Any]] = []
             if request.previous_response_id is not None:

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import msgspec
 
 from tidal.errors import bad_request
-from tidal.openai.requests import ChatMessage, Tool, decode_struct, template_kwargs, template_messages
+from tidal.openai.requests import ChatMessage, Tool, read_struct, template_kwargs, template_messages
 from tidal.tokenizer import PromptTokenizer
 from tidal.wire import INT32_MAX
 
@@ -61,7 +61,7 @@ class Tokenization:
                               f"your request has {count} tokens.", param)
 
     async def tokenize(self, body: bytes) -> dict[str, Any]:
-        request: TokenizeRequest = decode_struct(body, TokenizeRequest)
+        request: TokenizeRequest = await read_struct(body, TokenizeRequest)
         self._check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
@@ -80,7 +80,7 @@ class Tokenization:
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
     async def detokenize(self, body: bytes) -> dict[str, Any]:
-        request: DetokenizeRequest = decode_struct(body, DetokenizeRequest)
+        request: DetokenizeRequest = await read_struct(body, DetokenizeRequest)
         self._check_model(request.model)
         self._check_count(len(request.tokens), "tokens")
         if not all(t < self.vocab_size for t in request.tokens):

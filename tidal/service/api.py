@@ -22,8 +22,9 @@ from tidal.http import fast_send
 from tidal.registry.lifecycle import ActiveRequest
 from tidal.openai.choices import ChoicesSseBody, collect_choices
 from tidal.openai.encoding import ChunkEncoder
-from tidal.openai.requests import (MAX_N, Validated, chat_messages, completion_prompt, fit_max_tokens, parse_body,
+from tidal.openai.requests import (MAX_N, Validated, chat_messages, completion_prompt, fit_max_tokens, read_body,
                                    template_kwargs, validate)
+from tidal.service import body_cost
 from tidal.service.reasoning import THINK_END, ReasoningSplitter, prompt_state
 from tidal.service.stream import OutputReader, SseBody, collect
 from tidal.openai.token_logprobs import LogprobsFormatter, TokenTexts
@@ -101,13 +102,16 @@ class Api:
         if timeline is None:
             timeline = Timeline(time.monotonic())
         timeline.operation = "chat" if kind == "chat" else "text_completion"
-        parsed = parse_body(kind, body)  # type: ignore[arg-type]
+        parsed = await read_body(kind, body)  # type: ignore[arg-type]
         adapter = self.adapters.resolve(parsed.model)  # 404 for a name that is neither the model nor an adapter
-        checked = validate(parsed, self.vocab_size)
+        # a large body's schemas and earlier tool calls hold JSON text to decode: off the loop too
+        large = body_cost.is_large(body)
+        checked = await body_cost.run(validate, parsed, self.vocab_size) if large else validate(parsed, self.vocab_size)
         timeline.parsed = time.monotonic()
         if kind == "chat":
             tools = [msgspec.to_builtins(t) for t in parsed.tools] if parsed.tools else None  # type: ignore[union-attr]
-            prompt_ids = await self.tokenizer.encode_chat(chat_messages(parsed), tools,  # type: ignore[arg-type]
+            messages = await body_cost.run(chat_messages, parsed) if large else chat_messages(parsed)  # type: ignore[arg-type]
+            prompt_ids = await self.tokenizer.encode_chat(messages, tools,  # type: ignore[arg-type]
                                                           template_kwargs(parsed.chat_template_kwargs))  # type: ignore[union-attr]
         else:
             prompt = completion_prompt(parsed)  # type: ignore[arg-type]
