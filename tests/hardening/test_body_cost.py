@@ -207,3 +207,14 @@ def test_the_inline_template_decision_counts_every_string_it_renders():
 def test_is_large_counts_a_decoded_bodys_values_only_up_to_the_bound():
     assert not body_cost.is_large({"messages": HELLO})
     assert body_cost.is_large({"x": list(range(10**6))})
+
+
+def test_the_gc_is_paused_while_any_decode_runs_and_restored_after_the_last():
+    import gc
+
+    assert gc.isenabled()
+    with body_cost.gc_paused():
+        with body_cost.gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the other decode is still running
+    assert gc.isenabled()

@@ -137,3 +137,27 @@ def rendered_size(value: Any, limit: int) -> int:
         else:
             total += 1
     return total
+
+
+_gc_lock = threading.Lock()
+_gc_pausers = 0
+_gc_was_enabled = True
+
+
+@contextmanager
+def gc_paused():
+    """The cyclic GC off while any caller is inside (it is process-wide; reference counting still
+    frees everything). A decode makes its containers faster than a collection can pass over them."""
+    global _gc_pausers, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pausers == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pausers += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pausers -= 1
+            if _gc_pausers == 0 and _gc_was_enabled:
+                gc.enable()
