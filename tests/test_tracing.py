@@ -179,7 +179,7 @@ def test_a_slow_client_shows_its_coalescing(server, collector):
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # a small window: the server's buffer fills
     sock.connect(("127.0.0.1", server.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"traceparent: " + traceparent.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     # the client reads nothing until the engine has generated everything: the socket buffers fill
     # (a 2 KiB window) and the mailbox merges what the engine keeps producing

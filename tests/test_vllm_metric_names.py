@@ -20,7 +20,7 @@ def test_vllm_named_gauges_equal_tidals_while_requests_run():
         for vllm, tidal in PAIRS:
             assert idle[vllm] == idle[tidal] == 0
         body = json.dumps({"prompt": "Hello", "max_tokens": 100, "ignore_eos": True, "stream": True}).encode()
-        request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                    b"Content-Length: %d\r\n\r\n" % len(body) + body)
         clients = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(2)]
         try:

@@ -146,9 +146,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="Log level of the server (default info); the engine process logs at TIDAL_ENGINE_LOG_LEVEL "
                         "(default WARNING).")
     g.add_argument("--allowed-origins", default="",
-                   help="Comma-separated origins (e.g. https://app.example) whose web pages may open /v1/ws; "
-                        "'*' allows any. By default only this server's own page may (a page on another origin "
-                        "could otherwise drive the model through the user's browser).")
+                   help="Comma-separated origins (e.g. https://app.example) whose web pages may call the API "
+                        "(HTTP, with CORS, and /v1/ws); '*' allows any. By default only this server's own page may "
+                        "(a page on another origin could otherwise drive the model through the user's browser).")
+    g.add_argument("--allowed-hosts", default="",
+                   help="Comma-separated Host names served besides localhost, 127.0.0.1 and ::1 when bound to a "
+                        "loopback address; '*' allows any (keeps DNS-rebinding pages out by default).")
     g.add_argument("--no-ui", dest="ui", action="store_false",
                    help="Do not serve the chat page at / (docs/ui.md). The API is unaffected.")
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
@@ -256,6 +259,7 @@ def server_config(args: argparse.Namespace):
         reasoning_parser=args.reasoning_parser,
         ui=args.ui,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         vllm_metric_names=args.vllm_metric_names,
         enable_lora=args.enable_lora,

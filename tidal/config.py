@@ -40,6 +40,8 @@ class ServerConfig:
     ui: bool = True  # the chat page at / (docs/ui.md)
     # origins whose pages may open /v1/ws besides this server's own ("*": any); docs/admission.md
     allowed_origins: tuple[str, ...] = ()
+    # Host names served besides loopback's own when bound to loopback ("*": any); tidal/http/browser_gate.py
+    allowed_hosts: tuple[str, ...] = ()
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP URL for request spans (docs/tracing.md); None: off
     vllm_metric_names: bool = False  # also export the engine gauges as vllm:* (docs/scaling.md)
     # LoRA adapters (docs/lora.md); the engine's bounds are EngineConfig.max_loras, max_lora_rank, max_cpu_loras

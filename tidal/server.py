@@ -32,11 +32,12 @@ import trio
 from prometheus_client import Counter, Gauge
 
 from tidal.service.api import Api
-from tidal.http.routes import create_app
+from tidal.http.routes import REQUEST_BODIES, create_app
 from tidal.http import connections, fast_send
 from tidal.config import ServerConfig
 from tidal.engines.client import EngineClient, EngineDead, channel_capacity
 from tidal.http.completion_route import completion_routes
+from tidal.http.browser_gate import browser_gate
 from tidal.http.websocket_gate import websocket_gate
 from tidal.registry.frontend import Frontend
 from tidal.http.request_scope import request_scope_middleware
@@ -112,8 +113,10 @@ class Server:
             register_state(app, state)
             if cfg.ui:
                 register_ui(app)
-            asgi = request_scope_middleware(websocket_gate(completion_routes(app, api, cfg.api_key),
-                                                           cfg.allowed_origins), lambda: frontend)
+            gated = websocket_gate(completion_routes(app, api, cfg.api_key))
+            json_paths = frozenset(path for method, path in REQUEST_BODIES if method == "POST")
+            gated = browser_gate(gated, cfg.host, json_paths, cfg.allowed_origins, cfg.allowed_hosts)
+            asgi = request_scope_middleware(gated, lambda: frontend)
             fast_send.install()
             connections.install()
             hconfig = hypercorn.config.Config()

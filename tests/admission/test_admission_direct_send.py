@@ -33,7 +33,7 @@ from tidal.wire import EngineConfig, EngineStats, RequestOutput, SamplingParams,
 def chunked_body_connection() -> h11.Connection:
     """A server-side h11 connection that has sent the headers of a chunked 200 response."""
     connection = h11.Connection(h11.SERVER)
-    connection.receive_data(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    connection.receive_data(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n")
     connection.next_event()
     connection.next_event()
     connection.send(h11.Response(status_code=200, headers=[("Transfer-Encoding", "chunked")]))

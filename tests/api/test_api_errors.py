@@ -218,7 +218,7 @@ def test_answer_before_the_body_arrives_does_not_hang_the_connection(api_server,
     """An early 401/404 leaves the connection usable: the server reads the body first. (Answered
     before its body was read, hypercorn + quart-trio left the connection open and silent.)"""
     body = json.dumps(chat_body()).encode()
-    head = (f"POST {path} HTTP/1.1\r\nHost: tidal\r\nContent-Type: application/json\r\n"
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()  # no API key: 401, or 404 for the route
     with socket.create_connection(("127.0.0.1", api_server.port), timeout=10) as sock:
         sock.sendall(head)
@@ -235,7 +235,7 @@ def test_answer_before_the_body_arrives_does_not_hang_the_connection(api_server,
 
 
 def test_413_closes_the_connection_rather_than_leaving_it_silent(api_server):
-    head = (f"POST {CHAT} HTTP/1.1\r\nHost: tidal\r\nAuthorization: Bearer {API_KEY}\r\n"
+    head = (f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {5 * MAX_BODY_BYTES}\r\n\r\n").encode()
     with socket.create_connection(("127.0.0.1", api_server.port), timeout=10) as sock:
         sock.sendall(head + b" " * (2 * MAX_BODY_BYTES))  # the rest never comes

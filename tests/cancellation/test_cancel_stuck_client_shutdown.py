@@ -17,7 +17,7 @@ def test_shutdown_is_not_pinned_by_a_client_that_stopped_reading():
         body = json.dumps({"prompt": "hi", "max_tokens": 3000, "stream": True}).encode()
         sock = socket.create_connection(("127.0.0.1", server.port))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         assert sock.recv(64).startswith(b"HTTP/1.1 200")
         time.sleep(3)  # the server fills both socket buffers and its send waits on this client

@@ -32,13 +32,13 @@ class Http1Connection:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def request(self, method: str, path: str, body: bytes = b"",
-                headers: list[tuple[str, str]] | None = None) -> tuple[int, dict[str, str], bytes]:
+    def request(self, method: str, path: str, body: bytes = b"", headers: list[tuple[str, str]] | None = None,
+                content_type: str | None = "application/json") -> tuple[int, dict[str, str], bytes]:
         if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
             self.h11.start_next_cycle()
-        head = [("Host", "tidal"), ("Content-Length", str(len(body)))]
-        if body:
-            head.append(("Content-Type", "application/json"))
+        head = [("Host", "127.0.0.1"), ("Content-Length", str(len(body)))]
+        if body and content_type is not None:
+            head.append(("Content-Type", content_type))
         request = h11.Request(method=method, target=path, headers=head + (headers or []))
         self.sock.sendall(self.h11.send(request) + self.h11.send(h11.Data(data=body))
                           + self.h11.send(h11.EndOfMessage()))

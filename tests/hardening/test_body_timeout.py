@@ -15,7 +15,7 @@ from .clients import Http1Connection, assert_openai_error
 from .conftest import BODY_TIMEOUT
 
 BODY = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).encode()
-HEAD = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: tidal\r\nContent-Type: application/json\r\n"
+HEAD = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(BODY)}\r\n\r\n").encode()
 
 

@@ -52,7 +52,7 @@ async def connect(port: int) -> trio.SocketStream:
 
 
 async def get(stream: trio.SocketStream, path: str = "/") -> bytes:
-    await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
     received = b""
     while not received.endswith(b"\r\n\r\nok"):
         chunk = await stream.receive_some(4096)
@@ -98,7 +98,7 @@ async def test_shutdown_closes_idle_connections_at_once_and_busy_ones_after_thei
         port = await start(nursery, shutdown)
         idle, slow = await connect(port), await connect(port)
         assert b" 200 " in await get(idle)
-        await slow.send_all(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        await slow.send_all(b"GET /slow HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         await trio.sleep(0.1)
         shutdown.set()
         assert await closed_by_server(idle, KEEP_ALIVE / 2)

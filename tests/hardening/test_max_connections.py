@@ -62,7 +62,7 @@ def test_connections_past_the_bound_are_refused_and_the_others_go_on(limited_ser
     body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": STREAM_TOKENS,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
     stream = socket.create_connection(("127.0.0.1", port), timeout=30)
-    stream.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: tidal\r\nContent-Type: application/json\r\n"
+    stream.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     received = stream.recv(65536)
     assert received.startswith(b"HTTP/1.1 200"), received
@@ -71,8 +71,8 @@ def test_connections_past_the_bound_are_refused_and_the_others_go_on(limited_ser
         assert conn.request("GET", "/v1/models")[0] == 200
 
     started = time.monotonic()
-    answers = [refused(port, b"GET /v1/models HTTP/1.1\r\nHost: tidal\r\n\r\n") for _ in range(10)]
-    answers.append(refused(port, b"GET /v1/ws HTTP/1.1\r\nHost: tidal\r\nUpgrade: websocket\r\n"
+    answers = [refused(port, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n") for _ in range(10)]
+    answers.append(refused(port, b"GET /v1/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
                                  b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
                                  b"Sec-WebSocket-Version: 13\r\n\r\n"))
     refusals_s = time.monotonic() - started
