@@ -216,6 +216,11 @@ async def serve(config: ServerConfig) -> int:
                             server.stop_now()
                             nursery.cancel_scope.cancel()
                             return
+                        if server.frontend is None:  # still starting: nothing to drain, stop now
+                            log.info("%s while starting: stopping", signal.Signals(signum).name)
+                            server.stopping = True
+                            nursery.cancel_scope.cancel()  # the engine client stops its process
+                            return
                         log.info("%s: draining (up to %.0f s), then stopping", signal.Signals(signum).name,
                                  config.shutdown_timeout)
                         nursery.start_soon(server.stop)

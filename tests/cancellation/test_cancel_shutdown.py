@@ -92,3 +92,39 @@ def test_second_sigterm_stops_at_once(second_signal_server):
         except (EOFError, ConnectionError):
             pass
     assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE, "the engine outlived the server"
+
+
+def test_sigterm_while_the_engine_starts_stops_within_the_drain_bound(tmp_path):
+    """Before, it logged "draining (up to 30 s)" and stayed up until the engine was ready (50 s and more
+    for a big model); only a second signal stopped it. Now there is nothing to drain: it stops at once."""
+    import subprocess
+    import sys
+
+    from live_server import free_port
+
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "tidal", "serve", "--port", str(free_port()),
+                                    "--shutdown-timeout", "5", "--min-step-time", "0.01"],
+                                   stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        engine = None
+        while engine is None:  # the engine process is starting: the frontend's signal handler is set
+            assert time.monotonic() < deadline and process.poll() is None, log.read_text()
+            engine = next((c for c in psutil.Process(process.pid).children()
+                           if "tidal.gpu" in " ".join(c.cmdline())), None)
+            time.sleep(0.02)
+        assert "tidal ready" not in log.read_text()
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert process.wait(timeout=30) == 0, log.read_text()
+        took = time.monotonic() - signalled
+        print(f"SIGTERM while starting: stopped in {took:.2f} s")
+        assert took < 5  # within the drain bound (--shutdown-timeout 5): a loading engine is killed at once
+        assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
+        text = log.read_text()
+        assert "SIGTERM while starting: stopping" in text and "tidal stopped (exit code 0)" in text, text
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -229,16 +229,16 @@ class EngineClient:
                     raise EngineStartError(self._fail(f"engine failed to start: {message.message}"))
 
     async def _stop_process(self, process: trio.Process) -> None:
-        if process.returncode is None:
+        if process.returncode is None and self.ready is not None:  # a loading engine reads no Shutdown: killed
             try:
                 await process.stdin.send_all(encode_frame(Shutdown()))
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
             with trio.move_on_after(5):
                 await process.wait()
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
         for stream in (process.stdin, process.stdout):
             await stream.aclose()
 
