@@ -27,6 +27,8 @@ _EXPORTS = {
     "rms_norm_reference": "norm",
     "rotary_embedding": "rotary",
     "rotary_embedding_reference": "rotary",
+    "lora_add": "lora",
+    "lora_add_reference": "lora",
 }
 
 __all__ = ["HAS_TRITON", *_EXPORTS]

@@ -10,7 +10,8 @@ down_proj) carries one A and one B that hold every slot's adapter side by side. 
 qkv_proj, gate/up of gate_up_proj) owns ranks ``[(s * parts + p) * R, ... + r)``: its A rows, and its B rows
 with non-zero columns only in that part's slice of the fused output. For the batch's rows x and their
 slots' one-hot mask, ``out += ((x @ A.T) * onehot) @ B`` is every row's own adapter in two matmuls, whatever
-the mix; the base weights are read once for all rows, and a base-model row's mask is zero.
+the mix; the base weights are read once for all rows, and a base-model row's mask is zero. On a CUDA GPU
+with triton a kernel (tidal/kernels/lora.py) reads each row's own slot instead of masking every slot's product.
 """
 
 from __future__ import annotations
@@ -175,10 +176,12 @@ def _read_tensors(path: str, config: ModelConfig, rank: int, scale: float, refus
 
 @dataclass
 class LoraRows:
-    """Which slot each row of a forward pass runs through: ``onehot`` [rows, slots, 1] (all zero for a
-    base-model row), in the activations' dtype; only the first ``num_slots`` slots take part."""
+    """Which slot each row of a forward pass runs through. On a CPU ``onehot`` [rows, slots, 1] (all zero for a
+    base-model row), in the activations' dtype, only the first ``num_slots`` slots taking part; on a CUDA GPU
+    with triton ``slots`` [rows] int32 (-1: the base model) for the kernel (tidal/kernels/lora.py)."""
 
-    onehot: torch.Tensor
+    onehot: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
 
     @property
     def num_slots(self) -> int:
@@ -188,6 +191,10 @@ class LoraRows:
 def add_lora(out: torch.Tensor, x: torch.Tensor, linear, rows: LoraRows) -> torch.Tensor:
     """``out`` (``linear(x)``) plus each row's adapter product, in place (``linear.lora``: ``LoraWeights``)."""
     weights = linear.lora
+    if rows.slots is not None:  # each row reads only its own slot (the Triton kernel)
+        from tidal import kernels
+
+        return kernels.lora_add(out, x.contiguous(), weights.a, weights.b, rows.slots, weights.slot_width)
     width = rows.num_slots * weights.slot_width
     h = torch.mm(x, weights.a[:width].t())
     h = (h.view(h.shape[0], rows.num_slots, weights.slot_width) * rows.onehot).view(h.shape[0], width)
@@ -222,6 +229,7 @@ class LoraSlots:
         self._layers = model.model.layers
         self.dtype = model.model.embed_tokens.dtype
         self.device = model.model.embed_tokens.device
+        self._kernel = self.device.type == "cuda" and _has_triton()  # the gathered kernel, else the masked matmuls
         for layer in self._layers:
             attn = layer.self_attn
             sizes = {"qkv_proj": (attn.q_size, attn.kv_size, attn.kv_size), "o_proj": (attn.o_proj.out_features,),
@@ -278,6 +286,9 @@ class LoraSlots:
         used = [slot for slot, _ in slots_of_entries if slot is not None]
         if not used:
             return None
+        if self._kernel:
+            per_row = [-1 if slot is None else slot for slot, count in slots_of_entries for _ in range(count)]
+            return LoraRows(slots=torch.tensor(per_row, dtype=torch.int32).to(self.device))
         onehot = torch.zeros(num_rows, max(used) + 1, 1, dtype=self.dtype)
         row = 0
         for slot, count in slots_of_entries:
@@ -285,3 +296,9 @@ class LoraSlots:
                 onehot[row:row + count, slot] = 1
             row += count
         return LoraRows(onehot if self.device.type == "cpu" else onehot.to(self.device))
+
+
+def _has_triton() -> bool:
+    from tidal import kernels
+
+    return kernels.HAS_TRITON
