@@ -80,6 +80,7 @@ class Engine:
         self.grammars = Grammars(self.runner.model_dir, self.runner.model_config.vocab_size,
                                  sorted(self.eos_token_ids), config.grammar_compile_timeout,
                                  config.grammar_cache_bytes)
+        self.grammars.warm_up()  # beside the rest of the start, not on the first constrained request's time
         self.speculator = None if config.speculative is None else Speculator(config.speculative, self.grammars)
         self.scheduler = Scheduler(
             self.block_manager,

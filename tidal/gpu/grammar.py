@@ -108,8 +108,9 @@ class Grammars:
         self.stop_token_ids = stop_token_ids
         self.compile_timeout = compile_timeout
         self.cache_bytes = cache_bytes
-        # the compiler and the JSON token row, built on the first compile's thread: plain requests
-        # never import xgrammar, and its tokenizer info (~1 s) is never built in the step loop
+        # the compiler and the JSON token row, built on a thread of their own at engine start
+        # (``warm_up``): its tokenizer info (1-4 s) is never built in the step loop, nor on the first
+        # constrained request's time, which stalled its neighbours ~0.6 s
         self._setup: Future | None = None
         self._setup_lock = threading.Lock()
         self._json_tokens: torch.Tensor | None = None
@@ -126,6 +127,16 @@ class Grammars:
         self._bitmask: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ compiling
+
+    def warm_up(self) -> None:
+        """Build the compiler now, on a thread of its own (the engine's start calls this)."""
+        threading.Thread(target=self._set_up_quietly, name="tidal-grammar-setup", daemon=True).start()
+
+    def _set_up_quietly(self) -> None:
+        try:
+            self._set_up()
+        except Exception:  # noqa: BLE001 - kept in the future: every compile reports it
+            pass
 
     def _set_up(self) -> Any:
         """The compiler (on a compile thread; the first one builds it, the others wait for it)."""
