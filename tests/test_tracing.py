@@ -149,6 +149,20 @@ def test_a_streamed_request_is_one_span_under_the_callers_trace_with_its_hops_in
     assert [e.name for e in prefill.events] == ["prefill_chunk"]
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 2}),
+    ("/v1/messages", {"model": "tidal-tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_responses_and_messages_keep_the_callers_trace_and_start_the_clock_at_the_first_byte(server, collector,
+                                                                                              path, body):
+    trace_id, parent_id, traceparent = _traceparent()
+    answer = httpx.post(server.url + path, json=body, headers={"traceparent": traceparent}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    root, hops = collector.trace(trace_id)
+    assert root.parent_span_id == parent_id  # before: a new trace of its own
+    assert hops[0].name == "parse" and hops[0].start_time_unix_nano == root.start_time_unix_nano
+
+
 def test_a_malformed_traceparent_is_ignored(server, collector):
     response = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2},
                           headers={"traceparent": "00-not-a-trace-zz"}, timeout=30)

@@ -100,11 +100,14 @@ class MessagesService:
                 "usage": shapes.usage(reader.request.num_prompt_tokens, reader.num_tokens if done else 0,
                                       reader.num_cached_tokens)}
 
-    async def respond(self, body: bytes) -> Answer:
+    async def respond(self, body: bytes, scope: dict | None = None) -> Answer:
+        """``scope``: the HTTP request's; its first byte starts the clock and its ``traceparent`` is kept."""
+        timeline = self.api.timeline(scope or {})
         try:
             request: shapes.MessagesRequest = await read_struct(body, shapes.MessagesRequest)
             self.api.adapters.resolve(request.model)  # the base model or a LoRA adapter: 404 first for any other
-            active, checked = await self.api.admit("chat", {**shapes.chat_request(request), "model": request.model})
+            active, checked = await self.api.admit("chat", {**shapes.chat_request(request), "model": request.model},
+                                                timeline)
             reader = await self.api.first_output(active, checked)
         except ApiError as error:
             return errors.error_answer(error)

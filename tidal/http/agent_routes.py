@@ -7,7 +7,7 @@ bytes between quart and that service, as routes.py does for the completion route
 
 from __future__ import annotations
 
-from quart import Response
+from quart import Response, request
 
 from tidal.anthropic.service import MessagesService
 from tidal.errors import ApiError
@@ -46,11 +46,11 @@ def register_agent_routes(app, api: Api, body_bytes, response_store: ResponseSto
 
     @app.post("/v1/messages")
     async def create_message():
-        return _answer(await messages.respond(await body_bytes()))
+        return _answer(await messages.respond(await body_bytes(), request.scope))
 
     @app.post("/v1/responses")
     async def create_response():
-        return _answer(await responses.respond(await body_bytes()))
+        return _answer(await responses.respond(await body_bytes(), request.scope))
 
     @app.get("/v1/responses/<response_id>")
     async def retrieve_response(response_id: str):

@@ -131,7 +131,9 @@ class ResponsesService:
             raise error
         return stored.response
 
-    async def respond(self, body: bytes) -> Answer:
+    async def respond(self, body: bytes, scope: dict | None = None) -> Answer:
+        """``scope``: the HTTP request's; its first byte starts the clock and its ``traceparent`` is kept."""
+        timeline = self.api.timeline(scope or {})
         try:
             request: shapes.ResponsesRequest = await read_struct(body, shapes.ResponsesRequest)
             self.api.adapters.resolve(request.model)  # 404 before anything else for an unknown model
@@ -145,7 +147,7 @@ class ResponsesService:
             if request.model is not None:
                 chat["model"] = request.model  # the base model or the LoRA adapter it names
             try:
-                active, checked = await self.api.admit("chat", chat)
+                active, checked = await self.api.admit("chat", chat, timeline)
             except ApiError as error:
                 error.param = shapes.response_param(error.param)
                 raise
