@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from typing import Annotated
 
+import msgspec
 import torch
 
 from tidal.gpu.model.quantization import QuantizedWeight
@@ -31,6 +33,26 @@ _PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", 
 _INT_FORMATS = {"pack-quantized", "int-quantized", "naive-quantized"}
 _FP8_FORMATS = {"float-quantized", "naive-quantized"}
 _FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+class _Scheme(msgspec.Struct):
+    """What a config group's ``weights`` (and ``input_activations``) may say, typed: a value of the
+    wrong type or out of range (``group_size`` 2^40 or 64.0, ``num_bits`` null) is one line, never a
+    traceback or an allocation sized by it."""
+
+    num_bits: Annotated[int, msgspec.Meta(ge=1, le=64)] = 0
+    type: str = "int"
+    strategy: str | None = "tensor"
+    group_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] | None = None
+    symmetric: bool = True
+
+
+def _scheme(value: object, where: str) -> dict:
+    try:
+        msgspec.convert(value, _Scheme, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad compressed-tensors config: {where}: {exc}") from None
+    return value  # type: ignore[return-value]
 
 
 class CompressedCheckpoint:
@@ -81,14 +103,19 @@ class CompressedCheckpoint:
         if config.get("sparsity_config"):
             raise ValueError("unsupported compressed-tensors scheme: sparse weights "
                              f"({config['sparsity_config'].get('format', 'sparsity')})")
-        groups = list((config.get("config_groups") or {}).values())
+        config_groups = config.get("config_groups") or {}
+        if not isinstance(config_groups, dict) or not all(isinstance(g, dict) for g in config_groups.values()):
+            raise ValueError("bad compressed-tensors config: config_groups must map names to groups (objects)")
+        groups = list(config_groups.values())
         if not groups:
             raise ValueError("compressed-tensors checkpoint without config_groups: no scheme to load")
         schemes = {json.dumps([g.get("weights"), g.get("input_activations")], sort_keys=True) for g in groups}
         if len(schemes) > 1:
             raise ValueError("unsupported compressed-tensors checkpoint: several schemes in one model")
         group = groups[0]
-        checkpoint = cls(group.get("weights") or {}, group.get("input_activations"),
+        activations = group.get("input_activations")
+        checkpoint = cls(_scheme(group.get("weights") or {}, "weights"),
+                         None if activations is None else _scheme(activations, "input_activations"),
                          group.get("format") or config.get("format", "pack-quantized"))
         checkpoint._check_supported()
         return checkpoint
