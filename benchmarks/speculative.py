@@ -7,6 +7,8 @@ document), at a given concurrency, with the acceptance rate.
 Each round runs the whole prompt set (cycled up to --concurrency requests at once) without and then with
 speculation, on two engines loaded once; rounds alternate so a loaded host's drift hits both sides alike.
 Greedy decoding: the two sides produce the same tokens (checked), so the ratio is the speed-up alone.
+Besides wall-clock tokens per second it prints this process's CPU time per token (all its threads):
+on a host shared with other work, the steadier of the two.
 """
 
 from __future__ import annotations
@@ -44,21 +46,22 @@ def chat(text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def run(engine: Engine, prompts: list[list[int]], max_tokens: int, first_id: int) -> tuple[float, int, dict]:
+def run(engine: Engine, prompts: list[list[int]], max_tokens: int, first_id: int) -> tuple[float, float, int, dict]:
+    """(wall seconds, CPU seconds of this process, output tokens, tokens by request) of the decode."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     for i, prompt in enumerate(prompts):
         engine.add_request(AddRequest(first_id + i, prompt, params))
     tokens: dict[int, list[int]] = {first_id + i: [] for i in range(len(prompts))}
     # time the decode only: the first step's prefill is the same work on both sides
     engine.step()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     while engine.has_work():
         engine.step()
         report = engine.take_report()
         for out in report.outputs if report else ():
             tokens[out.request_id] += out.token_ids
-    elapsed = time.perf_counter() - started
-    return elapsed, sum(map(len, tokens.values())), {k - first_id: v for k, v in tokens.items()}
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    return elapsed, cpu, sum(map(len, tokens.values())), {k - first_id: v for k, v in tokens.items()}
 
 
 def main() -> None:
@@ -75,22 +78,29 @@ def main() -> None:
     spec = SpeculativeConfig("ngram", args.k, 2, 5)
     off, on = Engine(base), Engine(EngineConfig(**{**fields, "speculative": spec}))
     prompts = [off.tokenizer.encode(chat(t)).ids for t in TASKS]
-    batch = [prompts[i % len(prompts)] for i in range(args.concurrency)]
+    # c=1 runs each task in turn; c>1 cycles the tasks over the concurrent requests
+    batches = [[p] for p in prompts] if args.concurrency == 1 else \
+        [[prompts[i % len(prompts)] for i in range(args.concurrency)]]
     ratios, next_id = [], 1
     for round_index in range(args.rounds):
         before = on.stats()
-        t_off, n_off, out_off = run(off, batch, args.max_tokens, next_id)
-        t_on, n_on, out_on = run(on, batch, args.max_tokens, next_id + 10_000)
-        next_id += 100_000
+        t_off = cpu_off = n_off = t_on = cpu_on = n_on = 0.0
+        for batch in batches:  # off, then on, per task: alternating within the round
+            t, cpu, n, out_off = run(off, batch, args.max_tokens, next_id)
+            t_off, cpu_off, n_off = t_off + t, cpu_off + cpu, n_off + n
+            t, cpu, n, out_on = run(on, batch, args.max_tokens, next_id + 10_000)
+            t_on, cpu_on, n_on = t_on + t, cpu_on + cpu, n_on + n
+            next_id += 100_000
+            assert out_on == out_off, "greedy output differs with speculation"
         after = on.stats()
-        assert out_on == out_off, "greedy output differs with speculation"
         drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
         accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
         ratio = (n_on / t_on) / (n_off / t_off)
         ratios.append(ratio)
         print(f"round {round_index + 1}: c={args.concurrency} off {n_off / t_off:8.1f} tok/s  on {n_on / t_on:8.1f} "
               f"tok/s  ratio {ratio:.2f}x  acceptance {accepted}/{drafted} = {accepted / max(drafted, 1):.2f}  "
-              f"tokens/step on {n_on / max(after.step - before.step, 1):.2f}", flush=True)
+              f"CPU ms/token off {1e3 * cpu_off / n_off:.1f} on {1e3 * cpu_on / n_on:.1f} "
+              f"({cpu_off / n_off / (cpu_on / n_on):.2f}x)", flush=True)
     print(f"median ratio {statistics.median(ratios):.2f}x over {args.rounds} rounds (min {min(ratios):.2f}x)")
 
 

@@ -1,12 +1,14 @@
 """How many tokens each sequence proposes this step, and the books of what was accepted.
 
-Verification costs rows in the pass: on a CPU a decode step reads every weight once whatever its
-rows, so a few extra rows are nearly free at small batches, and not once the batch's own rows fill
-the step. So each step:
+Verification costs rows in the pass. The CPU linear kernels (bf16, int8/int4) multiply four rows per
+read of a weight block (``ROW_TILE``); a fifth row is a second pass over the weights, from L2, and on
+this project's hosts a 5-row step took about twice a 1-row one (SmolLM2-135M bf16), while 2-4 rows
+cost what one does. So each step:
 
-* the batch's proposed tokens stay within ``MAX_VERIFY_ROWS`` rows in all (decodes included) and
-  within the step's token budget: a batch that already fills them proposes nothing (K = 0) and runs
-  exactly as without speculation;
+* the batch's proposed tokens only fill the rows its decodes leave free in their last tile of
+  ``ROW_TILE`` (3 at one decode, 0 at 4, 8 or 16), within ``MAX_VERIFY_ROWS`` rows in all and the step's
+  token budget: a batch with no free row proposes nothing (K = 0) and runs exactly as without
+  speculation, so speculation never makes a step dearer than the one it replaces;
 * each sequence proposes at most as many tokens as its own recent acceptance pays for: with a
   per-token acceptance estimate ``a``, the j-th proposed token is worth ``a**j`` expected tokens and
   is proposed only while that is at least ``MIN_GAIN``. A sequence whose proposals keep failing
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from tidal.gpu.sequence import Sequence
 
 MAX_VERIFY_ROWS = 16  # rows of one pass (decodes + proposed tokens) beyond which nothing is proposed
+ROW_TILE = 4  # rows the CPU linear kernels multiply per read of the weights (csrc/linear_bf16.cpp kMaxRows)
 MIN_GAIN = 0.2  # expected accepted tokens a proposed token must be worth
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 2.0  # the prior counts as this many verified tokens
@@ -83,7 +86,7 @@ class Speculator:
 
     def plan(self, decodes: list[Sequence], budget: int) -> list[tuple[Sequence, list[int]]]:
         """Proposals for some of this step's decodes (most urgent first), within ``budget`` tokens."""
-        spare = min(budget, MAX_VERIFY_ROWS - len(decodes))
+        spare = min(budget, MAX_VERIFY_ROWS - len(decodes), -len(decodes) % ROW_TILE)
         planned = []
         for seq in decodes:
             if spare <= 0:
