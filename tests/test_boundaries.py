@@ -188,3 +188,23 @@ def test_the_cycle_check_finds_a_cycle_through_a_function_local_import():
 
 def test_no_import_cycles_anywhere_in_tidal():
     assert find_cycle(import_graph()) is None
+
+
+def test_the_frontend_layers_point_down():
+    """The transport hands the service its socket writer (only http/ and the server import http/),
+    the service knows no API but the chat shape it reads bodies into, and Anthropic's API borrows
+    nothing from OpenAI's: what they share is in tidal/service/."""
+    violations = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        names = modules_of(path)
+        if not within(name, "tidal.http", "tidal.server"):
+            violations += [f"{name} -> {n}" for n in sorted(names) if within(n, "tidal.http")]
+        if within(name, "tidal.anthropic"):
+            violations += [f"{name} -> {n}" for n in sorted(names) if within(n, "tidal.openai")]
+        if within(name, "tidal.service", "tidal.registry", "tidal.observe"):
+            allowed = ("tidal.openai.requests", "tidal.openai.token_logprobs") if within(name, "tidal.service") else ()
+            violations += [f"{name} -> {n}" for n in sorted(names)
+                           if within(n, "tidal.openai", "tidal.anthropic", "tidal.http", "tidal.server")
+                           and not within(n, *allowed) and n != "tidal.openai"]
+    assert violations == []

@@ -163,6 +163,23 @@ def test_responses_and_messages_keep_the_callers_trace_and_start_the_clock_at_th
     assert hops[0].name == "parse" and hops[0].start_time_unix_nano == root.start_time_unix_nano
 
 
+def test_a_tool_call_answer_is_traced_with_the_finish_reason_its_client_got(server, collector):
+    trace_id, _, traceparent = _traceparent()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"enum": ["utc", "cet"]}}, "required": ["tz"],
+        "additionalProperties": False}}}
+    out = client.chat.completions.create(model="tidal-tiny", messages=[{"role": "user", "content": "Time?"}],
+                                         tools=[tool], tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                         temperature=1.0, seed=0, max_tokens=100,
+                                         extra_headers={"traceparent": traceparent})
+    assert out.choices[0].finish_reason == "tool_calls"  # the engine said "stop"; the answer is calls
+    root, _ = collector.trace(trace_id)
+    attributes = _attributes(root)
+    assert attributes["gen_ai.response.finish_reasons"] == ["tool_calls"]
+    assert attributes["gen_ai.usage.output_tokens"] == out.usage.completion_tokens
+
+
 def test_a_malformed_traceparent_is_ignored(server, collector):
     response = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2},
                           headers={"traceparent": "00-not-a-trace-zz"}, timeout=30)

@@ -43,3 +43,9 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 def internal_error(exc: BaseException) -> ApiError:
     """What one request's error boundary answers for a bug: a 500 in the API's shape, for that request only."""
     return ApiError(500, f"Internal server error: {type(exc).__name__}", "server_error")
+
+
+def context_too_long(max_model_len: int, however: str, param: str | None) -> ApiError:
+    """The 400 for a request that does not fit the context window, in OpenAI's (and vLLM's) words;
+    ``however`` says by how much, ending with what to reduce."""
+    return bad_request(f"This model's maximum context length is {max_model_len} tokens. However, {however}", param)

@@ -113,7 +113,7 @@ class Server:
             register_state(app, state)
             if cfg.ui:
                 register_ui(app)
-            gated = websocket_gate(completion_routes(app, api, cfg.api_key))
+            gated = websocket_gate(completion_routes(app, app.config["SERVICE_ROUTES"], cfg.api_key))
             json_paths = frozenset(path for method, path in REQUEST_BODIES if method == "POST")
             gated = browser_gate(gated, cfg.host, json_paths, cfg.allowed_origins, cfg.allowed_hosts)
             asgi = request_scope_middleware(gated, lambda: frontend)

@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from tidal.errors import ApiError, bad_request
+from tidal.errors import ApiError, bad_request, context_too_long
 from tidal.service.body_cost import rendered_size
 
 log = logging.getLogger("tidal.tokenizer")
@@ -108,10 +108,9 @@ class PromptTokenizer:
 
     def _check_length(self, num_chars: int, param: str) -> None:
         if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
-                f"{num_chars} characters, more than that many tokens can hold (at most {self.max_prompt_chars} "
-                f"characters). Please reduce the length of the input.", param)
+            raise context_too_long(
+                self.max_model_len, f"your prompt has {num_chars} characters, more than that many tokens can hold "  # type: ignore[arg-type]
+                f"(at most {self.max_prompt_chars} characters). Please reduce the length of the input.", param)
 
     async def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                           template_kwargs: dict[str, Any] | None = None,
@@ -174,8 +173,6 @@ class PromptTokenizer:
         if limit is not None and len(text) > HEAD_CHARS_PER_TOKEN * limit:
             head = self._encode_batch([text[:HEAD_CHARS_PER_TOKEN * limit]], add_special_tokens=add_special_tokens)[0]
             if len(head.ids) > limit + HEAD_SLACK_TOKENS:
-                raise bad_request(
-                    f"This model's maximum context length is {limit} tokens. However, your request has more than "
-                    f"{len(head.ids) - HEAD_SLACK_TOKENS} input tokens. Please reduce the length of the input.",
-                    param)
+                raise context_too_long(limit, f"your request has more than {len(head.ids) - HEAD_SLACK_TOKENS} "
+                                              "input tokens. Please reduce the length of the input.", param)
         return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids

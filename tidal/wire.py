@@ -158,7 +158,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     prompt_token_ids: list[TokenId]
     params: SamplingParams
     priority: Int32 = 0
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # admitted at, on the frontend's clock (ActiveRequest.arrival_time): the engine orders by it
     # another choice of the same request (n > 1): the engine schedules this one once that one's
     # prompt is prefilled, so the prompt's full KV blocks come from the prefix cache, not a prefill
     fork_of: int | None = None

@@ -1,8 +1,8 @@
-"""Frames sent from the engine reader task (``SseBody._offer``), down to the socket's edge.
+"""Frames sent from the engine reader task (``EventStream._offer``), down to the socket's edge.
 
 A stream that keeps up has its frames written by the frontend's reader task the moment the
 report is decoded; the live tests cannot make the kernel take only part of a frame, so these
-drive the real pieces (Frontend, Mailbox, OutputReader, SseBody, BodyWriter over a real h11
+drive the real pieces (Frontend, Mailbox, OutputReader, EventStream, BodyWriter over a real h11
 connection in its chunked body and a real socket pair) in-process, with no engine behind them.
 """
 
@@ -25,8 +25,9 @@ from tidal.engines.client import EngineClient
 from tidal.http.fast_send import BodyWriter
 from tidal.registry.frontend import Frontend
 from tidal.observe.metrics import Metrics
-from tidal.openai.encoding import ChunkEncoder, sse
-from tidal.service.stream import OutputReader, SseBody
+from tidal.openai.encoding import ChatRenderer, ChunkEncoder, sse
+from tidal.service.reader import OutputReader
+from tidal.service.stream import EventStream
 from tidal.wire import EngineConfig, EngineStats, RequestOutput, SamplingParams, StepReport
 
 
@@ -75,11 +76,11 @@ async def open_stream(server_sock):
     h11_protocol = SimpleNamespace(connection=chunked_body_connection())
     server = SimpleNamespace(send_lock=trio.Lock(), protocol=None)
     writer = BodyWriter(server, server_sock, h11_protocol, h11.SEND_BODY, ChunkedWriter)
-    body = SseBody(reader, ChunkEncoder("completions", "m"), False, writer)
+    body = EventStream(reader, ChatRenderer(ChunkEncoder("completions", "m"), False), writer)
     return engine, request, body
 
 
-async def drain(body: SseBody, frames: list[bytes] | None = None) -> None:
+async def drain(body: EventStream, frames: list[bytes] | None = None) -> None:
     async for frame in body:  # only the frames the ASGI path would send come back here
         if frames is not None:
             frames.append(frame)

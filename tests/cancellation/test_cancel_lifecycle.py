@@ -31,7 +31,7 @@ LEGAL = {(Q, RUN), (Q, FIN), (Q, ABT), (Q, REJ), (RUN, FIN), (RUN, ABT)}
 
 
 def _request(state: RequestState) -> ActiveRequest:
-    return ActiveRequest(request_id=1, priority=0, arrival_time=0.0, arrival_order=1, num_prompt_tokens=3,
+    return ActiveRequest(request_id=1, priority=0, arrival_time=0.0, num_prompt_tokens=3,
                          params=SamplingParams(max_tokens=4), mailbox=Mailbox(1 << 10), state=state)
 
 

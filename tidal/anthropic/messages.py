@@ -12,22 +12,19 @@ the chat reader read: a ``thinking`` block (with --reasoning-parser), a ``text``
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Annotated, Any
 
 import msgspec
 
 from tidal.errors import bad_request
-from tidal.openai.responses import Metadata
+from tidal.service.decode import INT32_MAX, Metadata, TopP, bounded
 
 MAX_MESSAGES = 1024
-INT32_MAX = 2**31 - 1
 # Every number in the body bounded in its type (so /openapi.json and its fuzzer see the bounds)
-MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX, description="max_tokens must be at least 1")]
-Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=1.0, description="temperature must be between 0 and 1")]
-TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0, description="top_p must be in (0, 1]")]
-TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX, description="top_k must be -1 (off), 0 (off) or positive")]
-BudgetTokens = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX, description="budget_tokens must be at least 0")]
+MaxTokens = bounded(int, "max_tokens must be at least 1", ge=1, le=INT32_MAX)
+Temperature = bounded(float, "temperature must be between 0 and 1", ge=0.0, le=1.0)  # Anthropic's range, not OpenAI's
+TopK = bounded(int, "top_k must be -1 (off), 0 (off) or positive", ge=-1, le=INT32_MAX)
+BudgetTokens = bounded(int, "budget_tokens must be at least 0", ge=0, le=INT32_MAX)
 
 
 class TextBlock(msgspec.Struct, kw_only=True):
@@ -176,10 +173,6 @@ def chat_request(request: MessagesRequest) -> dict[str, Any]:
             raise bad_request("thinking.type must be 'enabled' or 'disabled'", "thinking")
         chat["chat_template_kwargs"] = {"enable_thinking": request.thinking.type == "enabled"}
     return chat
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
 def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """``POST /v1/messages``: admit -> first output -> answer, with Anthropic's content blocks and events.
 
 The request is translated to chat (tidal/anthropic/messages.py) and admitted by ``Api`` like any
-chat request; the answer reads the same ``OutputReader``. A stream sends Anthropic's events in
+chat request; the answer reads the same ``OutputReader``. A stream (the one ``EventStream``, with ``MessagesRenderer``) sends Anthropic's events in
 their order: ``message_start``; per block ``content_block_start``, ``content_block_delta``
 (``thinking_delta``, ``text_delta``, ``input_json_delta``), ``content_block_stop``; then
 ``message_delta`` (stop reason, output tokens) and ``message_stop``. Errors are Anthropic's
@@ -19,12 +19,12 @@ import msgspec
 from tidal.anthropic import errors
 from tidal.anthropic import messages as shapes
 from tidal.errors import ApiError
-from tidal.openai.requests import read_struct
-from tidal.service.api import Answer, Api, json_answer
-from tidal.service.stream import OutputReader
+from tidal.service.api import Answer, Api, answer, guarded
+from tidal.service.decode import new_id, read_struct
+from tidal.service.reader import OutputReader
+from tidal.service.stream import Writer
 
 _json_encode = msgspec.json.encode
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _event(kind: str, **fields: Any) -> bytes:
@@ -88,8 +88,13 @@ class ContentBlocks:
 
 
 class MessagesService:
+    """The Messages route's answers (a ``Route``: tidal/service/api.py), in Anthropic's shapes."""
+
     def __init__(self, api: Api):
         self.api = api
+
+    def error_answer(self, error: ApiError) -> Answer:
+        return errors.error_answer(error)
 
     def _message(self, message_id: str, content: list[dict[str, Any]], reader: OutputReader,
                  done: bool) -> dict[str, Any]:
@@ -100,66 +105,48 @@ class MessagesService:
                 "usage": shapes.usage(reader.request.num_prompt_tokens, reader.num_tokens if done else 0,
                                       reader.num_cached_tokens)}
 
-    async def respond(self, body: bytes, scope: dict | None = None) -> Answer:
-        """``scope``: the HTTP request's; its first byte starts the clock and its ``traceparent`` is kept."""
-        timeline = self.api.timeline(scope or {})
-        try:
-            request: shapes.MessagesRequest = await read_struct(body, shapes.MessagesRequest)
-            self.api.adapters.resolve(request.model)  # the base model or a LoRA adapter: 404 first for any other
-            active, checked = await self.api.admit("chat", {**shapes.chat_request(request), "model": request.model},
-                                                timeline)
-            reader = await self.api.first_output(active, checked)
-        except ApiError as error:
-            return errors.error_answer(error)
-        message_id = shapes.new_id("msg")
-        if request.stream:
-            return 200, _SSE_HEADERS, MessagesSseBody(self, reader, message_id)
-        try:
-            blocks = ContentBlocks()
-            while not reader.done:
-                text = await reader.next_delta()
-                blocks.feed(reader.take_reasoning(), text)
-            blocks.calls(reader.tool_calls or [])
-            return json_answer(self._message(message_id, blocks.blocks, reader, done=True))
-        except ApiError as error:
-            return errors.error_answer(error)
+    async def respond(self, body: bytes, scope: dict, writer: Writer | None) -> Answer:
+        return await guarded(self._respond(body, scope, writer), errors.error_answer, "messages")
+
+    async def _respond(self, body: bytes, scope: dict, writer: Writer | None) -> Answer:
+        request: shapes.MessagesRequest = await read_struct(body, shapes.MessagesRequest)
+        self.api.adapters.resolve(request.model)  # the base model or a LoRA adapter: 404 first for any other
+        active, checked = await self.api.admit("chat", {**shapes.chat_request(request), "model": request.model},
+                                               self.api.timeline(scope))
+        reader = await self.api.first_output(active, checked)
+        renderer = MessagesRenderer(self, new_id("msg", 24))
+        return await answer(reader, renderer, renderer, bool(request.stream), writer)
 
 
-class MessagesSseBody:
-    """Anthropic's event stream of one message (an async iterable of SSE frames)."""
+class MessagesRenderer:
+    """One message's events (tidal/service/stream.py's ``Renderer``) and the whole message (its
+    ``Collector``)."""
 
-    def __init__(self, service: MessagesService, reader: OutputReader, message_id: str):
+    content_frame = None
+
+    def __init__(self, service: MessagesService, message_id: str):
         self.service = service
-        self.reader = reader
         self.message_id = message_id
         self.blocks = ContentBlocks()
-        self._started = False
-        self._finished = False
 
-    def __aiter__(self) -> "MessagesSseBody":
-        return self
+    def opening(self, reader: OutputReader) -> bytes:
+        return _event("message_start", message=self.service._message(self.message_id, [], reader, done=False))
 
-    async def __anext__(self) -> bytes:
-        if self._finished:
-            raise StopAsyncIteration
-        reader = self.reader
-        if not self._started:
-            self._started = True
-            return _event("message_start", message=self.service._message(self.message_id, [], reader, done=False))
-        while True:
-            try:
-                text = await reader.next_delta()
-            except ApiError as error:
-                self._finished = True
-                return _event("error", error=errors.error_body(error)["error"])
-            frames = self.blocks.feed(reader.take_reasoning(), text)
-            if reader.done:
-                self._finished = True
-                frames += self.blocks.calls(reader.tool_calls or [])
-                reason, sequence = shapes.stop_reason(reader.finish_reason, reader.stop_reason,
-                                                      bool(reader.tool_calls))
-                frames += _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                                 usage={"output_tokens": reader.num_tokens})
-                return frames + _event("message_stop")
-            if frames:
-                return frames
+    def frames(self, reader: OutputReader, text: str) -> bytes:
+        return self.blocks.feed(reader.take_reasoning(), text)
+
+    def closing(self, reader: OutputReader) -> bytes:
+        frames = self.blocks.calls(reader.tool_calls or [])
+        reason, sequence = shapes.stop_reason(reader.finish_reason, reader.stop_reason, bool(reader.tool_calls))
+        frames += _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
+                         usage={"output_tokens": reader.num_tokens})
+        return frames + _event("message_stop")
+
+    def error_frame(self, error: ApiError) -> bytes:
+        return _event("error", error=errors.error_body(error)["error"])
+
+    add = frames
+
+    def answer(self, reader: OutputReader) -> dict[str, Any]:
+        self.blocks.calls(reader.tool_calls or [])
+        return self.service._message(self.message_id, self.blocks.blocks, reader, done=True)

@@ -12,7 +12,7 @@ import msgspec
 from quart import Response
 
 from tidal.errors import ApiError
-from tidal.openai.requests import decode_struct
+from tidal.service.decode import decode_struct
 from tidal.registry.adapters import MAX_NAME_CHARS
 from tidal.service.api import Api, error_answer
 

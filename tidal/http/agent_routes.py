@@ -1,18 +1,17 @@
-"""The routes beside chat and completions: OpenAI's Responses, Anthropic's Messages, vLLM's
-tokenize/detokenize.
+"""The routes beside the completion-style ones: a stored response (GET /v1/responses/<id>), vLLM's
+tokenize/detokenize, and the body types of Responses and Messages (served with chat and
+completions: routes.service_routes).
 
 Each answers through a service module that knows its API's shapes; this module only moves
-bytes between quart and that service, as routes.py does for the completion routes.
+bytes between quart and that service.
 """
 
 from __future__ import annotations
 
-from quart import Response, request
+from quart import Response
 
-from tidal.anthropic.service import MessagesService
 from tidal.errors import ApiError
 from tidal.service.api import Api, error_answer, json_answer
-from tidal.openai.response_store import ResponseStore
 from tidal.openai.responses_service import ResponsesService
 from tidal.anthropic.messages import MessagesRequest
 from tidal.openai.responses import ResponsesRequest
@@ -39,18 +38,8 @@ def _answer(answer) -> Response:
     return Response(content, status, headers)
 
 
-def register_agent_routes(app, api: Api, body_bytes, response_store: ResponseStore | None = None) -> None:
+def register_agent_routes(app, api: Api, responses: ResponsesService, body_bytes) -> None:
     tokenization = Tokenization(api.tokenizer, api.adapters.resolve, api.max_model_len, api.vocab_size)
-    responses = ResponsesService(api, response_store)
-    messages = MessagesService(api)
-
-    @app.post("/v1/messages")
-    async def create_message():
-        return _answer(await messages.respond(await body_bytes(), request.scope))
-
-    @app.post("/v1/responses")
-    async def create_response():
-        return _answer(await responses.respond(await body_bytes(), request.scope))
 
     @app.get("/v1/responses/<response_id>")
     async def retrieve_response(response_id: str):

@@ -1,14 +1,14 @@
-"""The two completion POSTs as a bare ASGI handler, in front of quart.
+"""The completion-style POSTs (chat, completions, Responses, Messages) as a bare ASGI handler, in front of quart.
 
-For ``/v1/chat/completions`` and ``/v1/completions`` quart's per-request machinery (a werkzeug
-request with its headers, the request context, before-request hooks, URL dispatch, the
-Response object and its body loop) cost about a quarter of the frontend's CPU per request:
-at 128 tokens per request, ~3 us per streamed token. This handler does for these two routes
-what quart did, in ASGI terms, and nothing else: it reads the body (under the body limit and
-``BODY_TIMEOUT``, 408 after), answers with ``Api.respond`` (the same answer quart's route sends),
-and cancels the request when the client disconnects (as quart-trio does: a second task
-waits for ``http.disconnect``), and closes its requests right then (``RequestScope.close``: the
-engine's abort goes out before the handler unwinds).
+For these routes quart's per-request machinery (a werkzeug request with its headers, the request
+context, before-request hooks, URL dispatch, the Response object and its body loop) cost about a
+quarter of the frontend's CPU per request: at 128 tokens per request, ~3 us per streamed token.
+This handler does for them what quart did, in ASGI terms, and nothing else: it reads the body
+(under the body limit and ``BODY_TIMEOUT``, 408 after), answers with the route's ``respond``
+(the same answer quart's route sends), handing it the socket's direct writer
+(``fast_send.body_writer``), and cancels the request when the client disconnects (as quart-trio
+does: a second task waits for ``http.disconnect``), and closes its requests right then
+(``RequestScope.close``: the engine's abort goes out before the handler unwinds).
 
 What it does not handle the same way it leaves to quart before reading anything: other paths
 and methods, a wrong or missing API key (quart's 401), a body without a Content-Length or
@@ -18,41 +18,38 @@ larger than the limit (quart's 413), a request under a root path.
 from __future__ import annotations
 
 import hmac
-import logging
 import math
 
 import trio
 
-from tidal.registry.frontend import RequestScope, current_request_scope
-from tidal.service.api import Answer, Api, error_answer
 from tidal.errors import ApiError
+from tidal.http import fast_send
+from tidal.registry.frontend import RequestScope, current_request_scope
+from tidal.service.api import Answer, Route
 
-log = logging.getLogger("tidal.http.routes")
 
-ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-
-
-def completion_routes(app, api: Api, api_key: str | None):
-    """ASGI: the completion POSTs served here, everything else by ``app`` (the quart app, whose
-    config holds the body limit and timeout)."""
+def completion_routes(app, routes: dict[str, Route], api_key: str | None):
+    """ASGI: the POSTs of ``routes`` (by path) served here, everything else by ``app`` (the quart
+    app, whose config holds the body limit and timeout)."""
     expected_authorization = None if api_key is None else f"Bearer {api_key}".encode()
 
     async def asgi(scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
-            kind = ROUTES.get(scope["path"])
-            if kind is not None:
+            route = routes.get(scope["path"])
+            if route is not None:
                 length = _body_length(scope["headers"], expected_authorization)
                 if length is not None and length <= app.config["MAX_CONTENT_LENGTH"]:
-                    return await _serve(api, kind, app.config["BODY_TIMEOUT"], scope, receive, send)
+                    return await _serve(route, app.config["BODY_TIMEOUT"], scope, receive, send)
         return await app(scope, receive, send)
 
     return asgi
 
 
 def _body_length(headers, expected_authorization: bytes | None) -> int | None:
-    """The body's Content-Length if the request is authorised and says it; else None (quart's case)."""
+    """The body's Content-Length if the request is authorised and says it; else None (quart's case).
+    The key is the ``Authorization`` header's, else an ``x-api-key`` header's (``auth.authorization``)."""
     length = None
-    authorized = expected_authorization is None
+    authorization = api_key = None
     for name, value in headers:
         if name == b"content-length":
             if not value.isdigit():
@@ -60,12 +57,19 @@ def _body_length(headers, expected_authorization: bytes | None) -> int | None:
             length = int(value)
         elif name == b"transfer-encoding":
             return None
-        elif name == b"authorization" and expected_authorization is not None:
-            authorized = hmac.compare_digest(value, expected_authorization)
-    return length if authorized else None
+        elif name == b"authorization":
+            authorization = value
+        elif name == b"x-api-key":
+            api_key = value
+    if expected_authorization is not None:
+        if authorization is None and api_key is not None:
+            authorization = b"Bearer " + api_key
+        if authorization is None or not hmac.compare_digest(authorization, expected_authorization):
+            return None
+    return length
 
 
-async def _serve(api: Api, kind: str, body_timeout: float | None, scope, receive, send) -> None:
+async def _serve(route: Route, body_timeout: float | None, scope, receive, send) -> None:
     body = bytearray()
     with trio.move_on_after(math.inf if body_timeout is None else body_timeout) as timer:
         while True:
@@ -76,15 +80,11 @@ async def _serve(api: Api, kind: str, body_timeout: float | None, scope, receive
             if not message.get("more_body", False):
                 break
     if timer.cancelled_caught:
-        return await _send_answer(send, error_answer(ApiError(
+        return await _send_answer(send, route.error_answer(ApiError(
             408, f"Request body not received within {body_timeout:g} s.", "invalid_request_error")))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope, current_request_scope())
-        try:
-            answer = await api.respond(kind, bytes(body), scope)
-        except Exception as error:
-            log.exception("unhandled error")
-            answer = error_answer(ApiError(500, f"Internal server error: {type(error).__name__}", "server_error"))
+        answer = await route.respond(bytes(body), scope, fast_send.body_writer(scope))  # its own error boundary
         await _send_answer(send, answer)
         nursery.cancel_scope.cancel()
 

@@ -19,6 +19,8 @@ from werkzeug.exceptions import HTTPException
 from tidal.errors import ApiError
 from tidal.registry.frontend import SHUTTING_DOWN
 from tidal.anthropic import errors as anthropic_errors
+from tidal.anthropic.service import MessagesService
+from tidal.http import fast_send
 from tidal.http.agent_routes import AUTHORIZED_PATHS, is_anthropic_path, register_agent_routes
 from tidal.http.agent_routes import REQUEST_BODIES as AGENT_REQUEST_BODIES
 from tidal.http.adapter_routes import REQUEST_BODIES as ADAPTER_REQUEST_BODIES
@@ -26,8 +28,10 @@ from tidal.http.adapter_routes import register_adapter_routes
 from tidal.http.auth import auth_error, authorization
 from tidal.http.openapi import app_routes, openapi_document
 from tidal.http.websocket import register_websocket
+from tidal.openai.completions import Completions
 from tidal.openai.requests import ChatCompletionRequest, CompletionRequest
-from tidal.service.api import Api, error_answer, json_answer
+from tidal.openai.responses_service import ResponsesService
+from tidal.service.api import Api, Route, error_answer, json_answer
 
 log = logging.getLogger("tidal.http.routes")
 
@@ -56,10 +60,21 @@ def json_response(obj: Any, status: int = 200) -> Response:
     return Response(body, status, headers)
 
 
-async def complete(api: Api, kind: str, body: bytes) -> Response:
-    """``Api.respond`` as quart's Response (a request ``completion_route`` left to quart)."""
-    status, headers, content = await api.respond(kind, body, request.scope)
-    return Response(content, status, headers)
+def service_routes(api: Api) -> dict[str, Route]:
+    """The completion-style routes, by path: each an API's request shape and renderer over ``Api``.
+    ``completion_route`` serves them in front of quart; quart serves what it leaves (``create_app``)."""
+    return {"/v1/chat/completions": Completions(api, "chat"), "/v1/completions": Completions(api, "completions"),
+            "/v1/responses": ResponsesService(api), "/v1/messages": MessagesService(api)}
+
+
+def _quart_view(route: Route, body_bytes):
+    async def view() -> Response:
+        """A request ``completion_route`` left to quart: the same answer, as quart's Response."""
+        status, headers, content = await route.respond(await body_bytes(), request.scope,
+                                                       fast_send.body_writer(request.scope))
+        return Response(content, status, headers)
+
+    return view
 
 
 def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_render, health_check,
@@ -91,13 +106,9 @@ def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_rende
     async def body_bytes() -> bytes:
         return await request.get_data(cache=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions():
-        return await complete(api, "chat", await body_bytes())
-
-    @app.post("/v1/completions")
-    async def completions():
-        return await complete(api, "completions", await body_bytes())
+    routes = app.config["SERVICE_ROUTES"] = service_routes(api)  # served first by completion_route
+    for path, route in routes.items():
+        app.add_url_rule(path, path, _quart_view(route, body_bytes), methods=["POST"])
 
     def model_card(adapter=None) -> dict[str, Any]:
         """The base model's card (root: where it was read from), or a LoRA adapter's (vLLM's: its parent is the
@@ -133,7 +144,7 @@ def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_rende
     async def metrics():
         return Response(metrics_render(), 200, {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
-    register_agent_routes(app, api, body_bytes)
+    register_agent_routes(app, api, routes["/v1/responses"], body_bytes)  # type: ignore[arg-type]
     register_adapter_routes(app, api, body_bytes)
     register_websocket(app, api, max_ws_requests,
                        lambda headers: auth_error(api_key, headers.get("Authorization", "")))

@@ -4,8 +4,9 @@ One connection is one nursery (quart-trio cancels it when the socket closes); ea
 on it is a task with its own cancel scope, so a ``cancel`` message or a closed socket ends
 exactly the requests it should, and each request's own RequestScope (tidal/registry/frontend.py) aborts
 it in the engine. Requests run through the same ``Api.admit`` -> ``Api.first_output`` ->
-``OutputReader`` path as SSE (tidal/service/api.py), so admission, queue timeouts and the
-slow-client bounds apply unchanged. Protocol: docs/websocket.md. Registered by ``routes.create_app``.
+``EventStream`` path as SSE (tidal/service/), with ``ChunkMessages`` as the renderer: each item
+of the stream is one text message. Admission, queue timeouts, the slow-client bounds and the
+error boundary apply unchanged. Protocol: docs/websocket.md. Registered by ``routes.create_app``.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from tidal.errors import NESTED_TOO_DEEPLY, ApiError, bad_request, internal_erro
 from tidal.registry.frontend import open_request_scope
 from tidal.http import auth
 from tidal.http.websocket_gate import WS_PATH
-from tidal.openai.encoding import ChunkEncoder
+from tidal.openai.encoding import ChatRenderer, ChunkEncoder
 from tidal.service import body_cost
 from tidal.service.api import Api
+from tidal.service.reader import OutputReader
+from tidal.service.stream import EventStream
 from tidal.observe.timeline import Timeline
 
 log = logging.getLogger("tidal.http.websocket")
@@ -71,6 +74,31 @@ def _error_message(request_id: Any, error: ApiError) -> str:
     if "Retry-After" in error.headers:  # what the HTTP answer says in its header
         message["retry_after"] = int(error.headers["Retry-After"])
     return _encode(message).decode()
+
+
+class ChunkMessages(ChatRenderer):
+    """A WebSocket request's messages: each chunk wrapped with its id, then ``done`` with the usage and
+    the hops of its way; an error is the request's error message."""
+
+    content_frame = None  # no direct socket writes here: each item is one WebSocket message
+
+    def __init__(self, rid: Any, encoder: ChunkEncoder, timeline: Timeline):
+        super().__init__(encoder, False)
+        self.rid = rid
+        self.timeline = timeline
+        self._prefix = b'{"type":"chunk","id":' + _encode(rid) + b',"data":'
+
+    def frame(self, chunk: bytes) -> bytes:
+        return self._prefix + chunk + b"}"
+
+    def closing(self, reader: OutputReader) -> bytes:
+        # the hops of its way, first byte to last frame (ms): the chat page draws them as a waterfall
+        timeline = self.timeline
+        hops = [[hop, round((end - start) * 1000, 3)] for hop, start, end in timeline.hops(timeline.last_written)]
+        return _encode({"type": "done", "id": self.rid, "usage": reader.usage(), "hops": hops})
+
+    def error_frame(self, error: ApiError) -> bytes:
+        return _error_message(self.rid, error).encode()
 
 
 def register_websocket(app, api: Api, max_requests: int, auth_error: Callable[[Any], ApiError | None]) -> None:
@@ -152,7 +180,6 @@ class Connection:
     async def stream(self, rid: Any, kind: str, body: dict[str, Any], scope: trio.CancelScope,
                      timeline: Timeline) -> None:
         api = self.api
-        id_json = _encode(rid)
         try:
             # each request on the connection is its own RequestScope: a "cancel" ends just this one
             with open_request_scope(api.frontend) as requests:
@@ -163,27 +190,13 @@ class Connection:
                     except ApiError as error:
                         await self.send(_error_message(rid, error))
                         return
-                    encoder = ChunkEncoder(kind, api.served_name(active))  # type: ignore[arg-type]
-                    prefix = b'{"type":"chunk","id":' + id_json + b',"data":'
-                    while not reader.done:
-                        text = await reader.next_delta()
-                        finish = reader.finish_reason
-                        reasoning = reader.take_reasoning()
-                        if finish is None and not text and not reasoning:
-                            continue
-                        chunk = encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls, reasoning)
-                        await self.send((prefix + chunk + b"}").decode())
-                        timeline.wrote(time.monotonic())
-                    # the hops of its way, first byte to last frame (ms): the chat page draws them as a waterfall
-                    hops = [[hop, round((end - start) * 1000, 3)]
-                            for hop, start, end in timeline.hops(timeline.last_written)]
-                    await self.send(_encode({"type": "done", "id": rid, "usage": reader.usage(), "hops": hops}).decode())
+                    renderer = ChunkMessages(rid, ChunkEncoder(kind, api.served_name(active)), timeline)  # type: ignore[arg-type]
+                    async for message in EventStream(reader, renderer, separate_closing=True):
+                        await self.send(message.decode())
                 if scope.cancelled_caught:  # the client sent "cancel"
                     requests.close_reason = "client_cancel"
             if scope.cancelled_caught:
                 await self.send(_encode({"type": "done", "id": rid, "usage": None, "cancelled": True}).decode())
-        except ApiError as error:  # the request ended early (slow client, engine failure)
-            await self.send(_error_message(rid, error))
         except Exception as exc:  # this request's error boundary: an error frame for its id, the connection lives
             log.exception("request %r on a WebSocket: unexpected error", rid)
             await self.send(_error_message(rid, internal_error(exc)))

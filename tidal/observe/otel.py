@@ -154,12 +154,13 @@ class SpanExport:
 
     def _attributes(self, request: ActiveRequest) -> dict:
         timeline = request.timeline
+        reader = request.reader  # the one owner of what the client was told (tidal/service/reader.py)
         attributes = {
             "gen_ai.operation.name": timeline.operation,
             "gen_ai.request.model": self.model_name,
             "gen_ai.response.model": self.model_name,
             "gen_ai.usage.input_tokens": request.num_prompt_tokens,
-            "gen_ai.usage.output_tokens": request.num_output_tokens,
+            "gen_ai.usage.output_tokens": reader.num_tokens if reader is not None else 0,
             "gen_ai.request.max_tokens": request.params.max_tokens,
             "gen_ai.request.temperature": request.params.temperature,
             "tidal.request_id": request.request_id,
@@ -169,8 +170,8 @@ class SpanExport:
             "tidal.coalesced_outputs": request.mailbox.num_merged,
             "tidal.prefill_chunks": len(timeline.prefill_chunks),
         }
-        if request.finish_reason is not None:
-            attributes["gen_ai.response.finish_reasons"] = [request.finish_reason]
+        if reader is not None and reader.finish_reason is not None:  # what the client was told
+            attributes["gen_ai.response.finish_reasons"] = [reader.finish_reason]
         elif request.abort_reason is not None:
             attributes["gen_ai.response.finish_reasons"] = ["abort"]
         if request.abort_reason is not None:

@@ -17,10 +17,10 @@ from typing import Any
 import trio
 
 from tidal.errors import ApiError
-from tidal.http.fast_send import BodyWriter
+from tidal.openai.encoding import SSE_DONE, ChatRenderer, ChunkEncoder, sse, usage
 from tidal.registry.mailbox import Mailbox
-from tidal.openai.encoding import SSE_DONE, ChunkEncoder, sse, usage
-from tidal.service.stream import OutputReader, SseBody, collect
+from tidal.service.reader import OutputReader, collect
+from tidal.service.stream import EventStream, Writer
 
 
 def _usage(readers: list[OutputReader]) -> dict[str, Any]:
@@ -36,7 +36,7 @@ async def collect_choices(readers: list[OutputReader], encoders: list[ChunkEncod
 
     async def read(reader: OutputReader, encoder: ChunkEncoder, scope: trio.CancelScope) -> None:
         try:
-            responses.append(await collect(reader, encoder))
+            responses.append(await collect(reader, ChatRenderer(encoder, False)))
         except ApiError as error:
             errors.append(error)
             scope.cancel()
@@ -57,12 +57,12 @@ class ChoicesSseBody:
     """The SSE body of n choices: each choice's frames in turn, then one usage chunk and [DONE]."""
 
     def __init__(self, readers: list[OutputReader], encoders: list[ChunkEncoder], include_usage: bool,
-                 writer: BodyWriter | None = None):
+                 writer: Writer | None = None):
         self.readers = readers
         self.encoders = encoders
         self.include_usage = include_usage
-        # one SseBody per choice, without its own ending; the first writes straight to the socket
-        self.bodies = [SseBody(r, e, False, None) for r, e in zip(readers, encoders)]
+        # one event stream per choice, without its own usage (this body's [DONE] is the last)
+        self.bodies = [EventStream(r, ChatRenderer(e, False)) for r, e in zip(readers, encoders)]
         self.writer = writer
         self.open = list(range(len(readers)))  # choices not finished yet
         self.last = -1  # the choice served last
@@ -106,7 +106,8 @@ class ChoicesSseBody:
             index = self._pick()
         self.last = index
         body = self.bodies[index]
-        frame = await body._next_frame()
+        frame = await body.next_frame()
+        assert frame is not None  # an open choice has a frame to come: its last ends with [DONE]
         if frame.endswith(SSE_DONE):
             frame = frame[: -len(SSE_DONE)]
             if body.reader.error is not None:  # a choice failed: the response ends with its error

@@ -1,4 +1,5 @@
-"""OpenAI's response shapes: usage, stream chunks (SSE frames or WebSocket payloads) and SSE framing.
+"""OpenAI's chat and completions answers: stream chunks (SSE frames or WebSocket payloads), SSE framing,
+and the renderer that makes them of a reader's deltas (``ChatRenderer``, for tidal/service/stream.py).
 
 The streaming hot path builds each SSE frame from a prefix prepared once per request plus the
 JSON-encoded text, so a frame costs one small ``msgspec.json.encode`` and a bytes join.
@@ -12,16 +13,12 @@ from typing import Any, Literal
 
 import msgspec
 
+from tidal.errors import ApiError
+from tidal.service.reader import OutputReader, usage
+
+__all__ = ["SSE_DONE", "ChatRenderer", "ChunkEncoder", "sse", "usage"]
+
 _json_encode = msgspec.json.encode
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
 
 
 class ChunkEncoder:
@@ -113,3 +110,43 @@ def sse(data: bytes) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ChatRenderer:
+    """Chat and completions chunks as SSE frames (tidal/service/stream.py's ``Renderer``), and the whole
+    response object (its ``Collector``). ``frame`` frames one chunk's JSON: the WebSocket's is its own."""
+
+    def __init__(self, encoder: ChunkEncoder, include_usage: bool):
+        self.encoder = encoder
+        self.include_usage = include_usage
+        self.content_frame = encoder.content_frame
+        self._parts: list[str] = []
+
+    def frame(self, chunk: bytes) -> bytes:
+        return sse(chunk)
+
+    def opening(self, reader: OutputReader) -> bytes:
+        return b""
+
+    def frames(self, reader: OutputReader, text: str) -> bytes:
+        finish = reader.finish_reason
+        reasoning = reader.take_reasoning()
+        if finish is None and not text and not reasoning:
+            return b""  # e.g. text held back by the stop-string check: nothing to say yet
+        return self.frame(self.encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls, reasoning))
+
+    def closing(self, reader: OutputReader) -> bytes:
+        if self.include_usage:
+            return sse(self.encoder.usage_json(reader.usage())) + SSE_DONE
+        return SSE_DONE
+
+    def error_frame(self, error: ApiError) -> bytes:
+        return sse(error.json()) + SSE_DONE
+
+    def add(self, reader: OutputReader, text: str) -> None:
+        self._parts.append(text)
+
+    def answer(self, reader: OutputReader) -> dict[str, Any]:
+        return self.encoder.full_response("".join(self._parts), reader.finish_reason, reader.usage(),
+                                          reader.stop_reason, reader.take_logprobs(), reader.tool_calls,
+                                          reader.take_reasoning())

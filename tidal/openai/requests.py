@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import msgspec
-from msgspec import Meta
 
-from tidal.errors import NESTED_TOO_DEEPLY, bad_request
+from tidal.errors import bad_request, context_too_long
 from tidal.service import body_cost, json_depth
 from tidal.service.tool_calls import named_schema, required_schema
+from tidal.service.decode import Temperature, TopP, bounded, decode_struct, read_struct
 from tidal.wire import INT32_MAX, SamplingParams, StructuredOutput
 
 _json_encode = msgspec.json.encode
@@ -100,30 +100,23 @@ class StructuredOutputs(msgspec.Struct, kw_only=True):
     json_object: bool | None = None
 
 
-# Every number a request carries, bounded once, here: what OpenAI allows where it says, and never
-# more than the wire and the engine hold (tidal/wire.py), so nothing accepted can fail to encode.
-# A value out of bounds is a 400 whose message is the bound's description (``parse_body``).
-def _bounded(base: type, description: str, **bounds: Any) -> Any:
-    return Annotated[base, Meta(description=description, **bounds)]
-
-
-MaxTokens = _bounded(int, "max_tokens must be at least 1 (and at most 2^31-1)", ge=1, le=INT32_MAX)
-Temperature = _bounded(float, "temperature must be between 0 and 2", ge=0.0, le=2.0)
-TopP = _bounded(float, "top_p must be in (0, 1]", gt=0.0, le=1.0)
-TopK = _bounded(int, "top_k must be -1 (off), 0 (off) or positive (at most 2^31-1)", ge=-1, le=INT32_MAX)
-MinP = _bounded(float, "min_p must be between 0 and 1", ge=0.0, le=1.0)
-Penalty = _bounded(float, "presence_penalty and frequency_penalty must be between -2 and 2", ge=-2.0, le=2.0)
-RepetitionPenalty = _bounded(float, "repetition_penalty must be in (0, 10]", gt=0.0, le=10.0)
-RequestSeed = _bounded(int, "seed must be a 64-bit signed integer", ge=-(2**63), le=2**63 - 1)
-StopTokenId = _bounded(int, "stop_token_ids must be token ids (0 to 2^31-1)", ge=0, le=INT32_MAX)
-StreamInterval = _bounded(int, "stream_interval must be at least 1 (and at most 2^31-1)", ge=1, le=INT32_MAX)
-Priority = _bounded(int, "priority must be in [-2^31, 2^31)", ge=-(2**31), le=INT32_MAX)
-NumChoices = _bounded(int, f"n must be between 1 and {MAX_N}", ge=1, le=MAX_N)
-LegacyLogprobs = _bounded(int, f"logprobs must be an integer between 0 and {MAX_LEGACY_LOGPROBS}",
+# Every number a request carries, bounded once: what OpenAI allows where it says, and never more
+# than the wire and the engine hold (tidal/wire.py), so nothing accepted can fail to encode.
+MaxTokens = bounded(int, "max_tokens must be at least 1 (and at most 2^31-1)", ge=1, le=INT32_MAX)
+TopK = bounded(int, "top_k must be -1 (off), 0 (off) or positive (at most 2^31-1)", ge=-1, le=INT32_MAX)
+MinP = bounded(float, "min_p must be between 0 and 1", ge=0.0, le=1.0)
+Penalty = bounded(float, "presence_penalty and frequency_penalty must be between -2 and 2", ge=-2.0, le=2.0)
+RepetitionPenalty = bounded(float, "repetition_penalty must be in (0, 10]", gt=0.0, le=10.0)
+RequestSeed = bounded(int, "seed must be a 64-bit signed integer", ge=-(2**63), le=2**63 - 1)
+StopTokenId = bounded(int, "stop_token_ids must be token ids (0 to 2^31-1)", ge=0, le=INT32_MAX)
+StreamInterval = bounded(int, "stream_interval must be at least 1 (and at most 2^31-1)", ge=1, le=INT32_MAX)
+Priority = bounded(int, "priority must be in [-2^31, 2^31)", ge=-(2**31), le=INT32_MAX)
+NumChoices = bounded(int, f"n must be between 1 and {MAX_N}", ge=1, le=MAX_N)
+LegacyLogprobs = bounded(int, f"logprobs must be an integer between 0 and {MAX_LEGACY_LOGPROBS}",
                           ge=0, le=MAX_LEGACY_LOGPROBS)
-TopLogprobs = _bounded(int, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", ge=0, le=MAX_TOP_LOGPROBS)
+TopLogprobs = bounded(int, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", ge=0, le=MAX_TOP_LOGPROBS)
 # a prompt's token ids: any 64-bit integer parses, the vocabulary check names the real range
-PromptTokenId = _bounded(int, "prompt token ids must be 64-bit integers", ge=-(2**63), le=2**63 - 1)
+PromptTokenId = bounded(int, "prompt token ids must be 64-bit integers", ge=-(2**63), le=2**63 - 1)
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -182,20 +175,6 @@ _decoders = {
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
-_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
-
-
-def _error_param(text: str) -> str | None:
-    """The offending field's path from msgspec's message; a missing field's path includes its name."""
-    # "... - at `$.a.b`", or for a mapping's key "... - at `key` in `$.a`"
-    path = re.split(r"(?:at|in) `\$", text)[-1].rstrip("`").lstrip(".") if re.search(r"(?:at|in) `\$", text) else ""
-    path = path.replace("[...]", "")  # msgspec's "some value of this mapping": the mapping is the field
-    missing = _MISSING_FIELD.search(text)
-    if missing:
-        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
-    return path or None
-
-
 def parse_body(kind: Literal["chat", "completions"], body: bytes | dict) -> ChatCompletionRequest | CompletionRequest:
     """Decode and type-check a request body (400 with the offending field otherwise)."""
     if isinstance(body, dict):
@@ -207,62 +186,6 @@ async def read_body(kind: Literal["chat", "completions"], body: bytes | dict) ->
     """``parse_body``, a large body's cost bounded and paid off the event loop (``read_struct``)."""
     return await read_struct(body, _decoders[kind] if not isinstance(body, dict) else
                              (ChatCompletionRequest if kind == "chat" else CompletionRequest))
-
-
-async def read_struct(body: bytes | dict, struct: type | msgspec.json.Decoder) -> Any:
-    """``decode_struct`` for a route's body: a large one is scanned first (413/400 past the bounds of
-    tidal/service/body_cost.py) and decoded on a worker thread. Every route's body goes through here."""
-    return await body_cost.decode(body, lambda raw: decode_struct(raw, struct))
-
-
-def decode_struct(body: bytes | dict, struct: type | msgspec.json.Decoder) -> Any:
-    """A body (JSON bytes, or a dict already decoded) as ``struct`` (a Struct, or a Decoder of
-    one); a 400 naming the offending field otherwise.
-
-    Everything nested in it (tool parameters, schemas, earlier tool calls) is depth-bounded here,
-    before any recursive code sees it (tidal/service/json_depth.py); a number out of its bounds is
-    answered with the bound's own description.
-    """
-    request_type = struct.type if isinstance(struct, msgspec.json.Decoder) else struct
-    try:
-        if isinstance(body, dict):
-            json_depth.check(body)
-            return msgspec.convert(body, struct)  # type: ignore[arg-type]
-        if isinstance(struct, msgspec.json.Decoder):
-            return json_depth.check(struct.decode(body))
-        return json_depth.check(msgspec.json.decode(body, type=struct))
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        param = _error_param(text)
-        raise bad_request(_bound_message(request_type, param, text), param) from None
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"Request body is not valid JSON: {exc}") from None
-    except (json_depth.TooDeep, RecursionError):  # no field of ours nests that deep
-        raise bad_request(NESTED_TOO_DEEPLY) from None
-
-
-_BOUND_VIOLATION = re.compile(r"Expected `[^`]*` (?:[<>]=?|of length)|Number out of range")
-
-
-def _bound_message(request_type: type, param: str | None, text: str) -> str:
-    """msgspec's message, or for a value out of its bounds the bound's own description."""
-    if param is None or not _BOUND_VIOLATION.search(text):
-        return f"Invalid request: {text}"
-    name = re.split(r"[.\[]", param, maxsplit=1)[0]
-    field = next((f for f in msgspec.inspect.type_info(request_type).fields if f.name == name), None)
-    description = _description(field.type) if field is not None else None
-    return f"Invalid request: {description}" if description else f"Invalid request: {text}"
-
-
-def _description(info: Any) -> str | None:
-    """The first bound description in a field's type (a union's or a list's member)."""
-    if isinstance(info, msgspec.inspect.Metadata):
-        return (info.extra_json_schema or {}).get("description") or _description(info.type)
-    for inner in getattr(info, "types", ()) or ((info.item_type,) if hasattr(info, "item_type") else ()):
-        found = _description(inner)
-        if found:
-            return found
-    return None
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -586,17 +509,14 @@ def fit_max_tokens(v: Validated, num_prompt_tokens: int, max_model_len: int) -> 
     """Check the prompt against the context window; default max_tokens to the room left."""
     room = max_model_len - num_prompt_tokens
     if room < 1:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-            f"{num_prompt_tokens} input tokens. Please reduce the length of the input.", "messages")
+        raise context_too_long(max_model_len, f"your request has {num_prompt_tokens} input tokens. Please reduce "
+                               "the length of the input.", "messages")
     if not v.max_tokens_given:
         return msgspec.structs.replace(v.params, max_tokens=room)
     if v.params.max_tokens > room:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{v.params.max_tokens + num_prompt_tokens} tokens ({num_prompt_tokens} in the input, "
-            f"{v.params.max_tokens} in the completion). Please reduce the length of the input or "
-            f"the completion.", "max_tokens")
+        raise context_too_long(max_model_len, f"you requested {v.params.max_tokens + num_prompt_tokens} tokens "
+                               f"({num_prompt_tokens} in the input, {v.params.max_tokens} in the completion). "
+                               "Please reduce the length of the input or the completion.", "max_tokens")
     return v.params
 
 

@@ -11,27 +11,16 @@ is (tidal/service/api.py); this module only translates, and builds the answer's 
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Annotated, Any
 
 import msgspec
 
 from tidal.errors import ApiError, bad_request
+from tidal.service.decode import INT32_MAX, Metadata, Temperature, TopP, bounded, new_id
 
 MAX_INPUT_ITEMS = 1024
-INT32_MAX = 2**31 - 1
 # Every number in the body bounded in its type (so /openapi.json and its fuzzer see the bounds)
-MaxOutputTokens = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX,
-                                              description="max_output_tokens must be between 1 and 2^31-1")]
-# OpenAI's bounds on metadata: it is kept with a stored response, so what it may hold is bounded
-MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
-METADATA_BOUND = (f"metadata may hold at most {MAX_METADATA_PAIRS} pairs, keys of at most {MAX_METADATA_KEY_CHARS} "
-                  f"characters and string values of at most {MAX_METADATA_VALUE_CHARS}")
-Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=MAX_METADATA_KEY_CHARS)],
-                          Annotated[str, msgspec.Meta(max_length=MAX_METADATA_VALUE_CHARS)]],
-                     msgspec.Meta(max_length=MAX_METADATA_PAIRS, description=METADATA_BOUND)]
-Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0, description="temperature must be between 0 and 2")]
-TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0, description="top_p must be in (0, 1]")]
+MaxOutputTokens = bounded(int, "max_output_tokens must be between 1 and 2^31-1", ge=1, le=INT32_MAX)
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1, description="seed must be a 64-bit signed integer")]
 
 
@@ -213,10 +202,6 @@ def chat_request(request: ResponsesRequest, history: list[dict[str, Any]]) -> di
     if kwargs:
         chat["chat_template_kwargs"] = kwargs
     return chat
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def reasoning_item(item_id: str, text: str) -> dict[str, Any]:

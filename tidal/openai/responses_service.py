@@ -3,7 +3,7 @@
 The request is translated to chat (tidal/openai/responses.py) and admitted by ``Api`` like any
 chat request; the answer reads the same ``OutputReader`` (thinking split out by the reasoning
 parser, tool calls read at the end) and turns its deltas into output items: a ``reasoning`` item,
-a ``message`` item, then one ``function_call`` item per call. A stream sends OpenAI's typed SSE
+a ``message`` item, then one ``function_call`` item per call. A stream (the one ``EventStream``, with ``ResponsesRenderer``) sends OpenAI's typed SSE
 events in their order (``response.created``, ``response.in_progress``, per item
 ``response.output_item.added`` ... ``response.output_item.done``, ``response.completed`` with
 usage). A disconnect cancels the handler; its request scope (tidal/registry/frontend.py) closes the
@@ -18,13 +18,13 @@ import msgspec
 
 from tidal.errors import ApiError
 from tidal.openai import responses as shapes
-from tidal.openai.requests import read_struct
 from tidal.openai.response_store import ResponseStore
-from tidal.service.api import Answer, Api, error_answer, json_answer
-from tidal.service.stream import OutputReader
+from tidal.service.api import Answer, Api, answer, error_answer, guarded
+from tidal.service.decode import new_id, read_struct
+from tidal.service.reader import OutputReader
+from tidal.service.stream import Writer
 
 _json_encode = msgspec.json.encode
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class OutputItems:
@@ -60,13 +60,13 @@ class OutputItems:
             out += self.close()
             index = len(self.items)
             if kind == "reasoning":
-                item = {"type": "reasoning", "id": shapes.new_id("rs"), "summary": [], "content": [],
+                item = {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": [],
                         "status": "in_progress"}
                 out += self.event("response.output_item.added", output_index=index, item=item)
                 out += self.event("response.content_part.added", item_id=item["id"], output_index=index,
                                   content_index=0, part={"type": "reasoning_text", "text": ""})
             else:
-                item = {"type": "message", "id": shapes.new_id("msg"), "status": "in_progress",
+                item = {"type": "message", "id": new_id("msg"), "status": "in_progress",
                         "role": "assistant", "content": []}
                 out += self.event("response.output_item.added", output_index=index, item=item)
                 out += self.event("response.content_part.added", item_id=item["id"], output_index=index,
@@ -117,11 +117,15 @@ class OutputItems:
 
 
 class ResponsesService:
-    """The Responses route's answers, on the server's ``Api`` and a bounded response store."""
+    """The Responses route's answers (a ``Route``: tidal/service/api.py), on the server's ``Api`` and a
+    bounded response store."""
 
     def __init__(self, api: Api, store: ResponseStore | None = None):
         self.api = api
         self.store = store or ResponseStore()
+
+    def error_answer(self, error: ApiError) -> Answer:
+        return error_answer(error)
 
     def retrieve(self, response_id: str) -> dict[str, Any]:
         stored = self.store.get(response_id)
@@ -131,42 +135,30 @@ class ResponsesService:
             raise error
         return stored.response
 
-    async def respond(self, body: bytes, scope: dict | None = None) -> Answer:
-        """``scope``: the HTTP request's; its first byte starts the clock and its ``traceparent`` is kept."""
-        timeline = self.api.timeline(scope or {})
+    async def respond(self, body: bytes, scope: dict, writer: Writer | None) -> Answer:
+        return await guarded(self._respond(body, scope, writer), error_answer, "responses")
+
+    async def _respond(self, body: bytes, scope: dict, writer: Writer | None) -> Answer:
+        request: shapes.ResponsesRequest = await read_struct(body, shapes.ResponsesRequest)
+        self.api.adapters.resolve(request.model)  # 404 before anything else for an unknown model
+        history: list[dict[str, Any]] = []
+        if request.previous_response_id is not None:
+            stored = self.store.get(request.previous_response_id)
+            if stored is None:
+                raise shapes.not_found(request.previous_response_id)
+            history = stored.conversation
+        chat = shapes.chat_request(request, history)
+        if request.model is not None:
+            chat["model"] = request.model  # the base model or the LoRA adapter it names
         try:
-            request: shapes.ResponsesRequest = await read_struct(body, shapes.ResponsesRequest)
-            self.api.adapters.resolve(request.model)  # 404 before anything else for an unknown model
-            history: list[dict[str, Any]] = []
-            if request.previous_response_id is not None:
-                stored = self.store.get(request.previous_response_id)
-                if stored is None:
-                    raise shapes.not_found(request.previous_response_id)
-                history = stored.conversation
-            chat = shapes.chat_request(request, history)
-            if request.model is not None:
-                chat["model"] = request.model  # the base model or the LoRA adapter it names
-            try:
-                active, checked = await self.api.admit("chat", chat, timeline)
-            except ApiError as error:
-                error.param = shapes.response_param(error.param)
-                raise
-            reader = await self.api.first_output(active, checked)
+            active, checked = await self.api.admit("chat", chat, self.api.timeline(scope))
         except ApiError as error:
-            return error_answer(error)
-        shape = shapes.ResponseShape(request, self.api.served_name(active))
+            error.param = shapes.response_param(error.param)
+            raise
+        reader = await self.api.first_output(active, checked)
         conversation = [m for m in chat["messages"] if not (request.instructions and m is chat["messages"][0])]
-        if request.stream:
-            return 200, _SSE_HEADERS, ResponsesSseBody(self, reader, shape, conversation)
-        try:
-            items = OutputItems(shape.id)
-            while not reader.done:
-                text = await reader.next_delta()
-                items.feed(reader.take_reasoning(), text)
-            items.calls(reader.tool_calls or [])
-            return json_answer(self._finish(reader, shape, items, conversation))
-        except ApiError as error:
-            return error_answer(error)
+        renderer = ResponsesRenderer(self, shapes.ResponseShape(request, self.api.served_name(active)), conversation)
+        return await answer(reader, renderer, renderer, bool(request.stream), writer)
 
     def _finish(self, reader: OutputReader, shape: shapes.ResponseShape, items: OutputItems,
                 conversation: list[dict[str, Any]]) -> dict[str, Any]:
@@ -181,44 +173,38 @@ class ResponsesService:
         return response
 
 
-class ResponsesSseBody:
-    """The typed event stream of one response (an async iterable of SSE frames)."""
+class ResponsesRenderer:
+    """One response's typed events (tidal/service/stream.py's ``Renderer``) and its whole object (its
+    ``Collector``)."""
 
-    def __init__(self, service: ResponsesService, reader: OutputReader, shape: shapes.ResponseShape,
-                 conversation: list[dict[str, Any]]):
+    content_frame = None
+
+    def __init__(self, service: ResponsesService, shape: shapes.ResponseShape, conversation: list[dict[str, Any]]):
         self.service = service
-        self.reader = reader
         self.shape = shape
         self.conversation = conversation
         self.items = OutputItems(shape.id)
-        self._started = False
-        self._finished = False
 
-    def __aiter__(self) -> "ResponsesSseBody":
-        return self
+    def opening(self, reader: OutputReader) -> bytes:
+        in_progress = self.shape.body("in_progress", [])
+        return (self.items.event("response.created", response=in_progress)
+                + self.items.event("response.in_progress", response=in_progress))
 
-    async def __anext__(self) -> bytes:
-        if self._finished:
-            raise StopAsyncIteration
-        items, reader = self.items, self.reader
-        if not self._started:
-            self._started = True
-            in_progress = self.shape.body("in_progress", [])
-            return (items.event("response.created", response=in_progress)
-                    + items.event("response.in_progress", response=in_progress))
-        while True:
-            try:
-                text = await reader.next_delta()
-            except ApiError as error:
-                self._finished = True
-                return items.event("error", code=str(error.code), message=error.message, param=error.param)
-            frames = items.feed(reader.take_reasoning(), text)
-            if reader.done:
-                self._finished = True
-                frames += items.calls(reader.tool_calls or [])
-                response = self.service._finish(reader, self.shape, items, self.conversation)
-                # always response.completed (an answer cut by max_output_tokens says status "incomplete"
-                # inside): the openai SDK's stream helper ends only on it
-                return frames + items.event("response.completed", response=response)
-            if frames:
-                return frames
+    def frames(self, reader: OutputReader, text: str) -> bytes:
+        return self.items.feed(reader.take_reasoning(), text)
+
+    def closing(self, reader: OutputReader) -> bytes:
+        frames = self.items.calls(reader.tool_calls or [])
+        response = self.service._finish(reader, self.shape, self.items, self.conversation)
+        # always response.completed (an answer cut by max_output_tokens says status "incomplete"
+        # inside): the openai SDK's stream helper ends only on it
+        return frames + self.items.event("response.completed", response=response)
+
+    def error_frame(self, error: ApiError) -> bytes:
+        return self.items.event("error", code=str(error.code), message=error.message, param=error.param)
+
+    add = frames
+
+    def answer(self, reader: OutputReader) -> dict[str, Any]:
+        self.items.calls(reader.tool_calls or [])
+        return self.service._finish(reader, self.shape, self.items, self.conversation)

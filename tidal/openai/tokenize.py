@@ -15,8 +15,9 @@ from typing import Annotated, Any
 
 import msgspec
 
-from tidal.errors import bad_request
-from tidal.openai.requests import ChatMessage, Tool, read_struct, template_kwargs, template_messages
+from tidal.errors import bad_request, context_too_long
+from tidal.openai.requests import ChatMessage, Tool, template_kwargs, template_messages
+from tidal.service.decode import read_struct
 from tidal.tokenizer import PromptTokenizer
 from tidal.wire import INT32_MAX
 
@@ -57,8 +58,7 @@ class Tokenization:
 
     def _check_count(self, count: int, param: str) -> None:
         if count > self.max_model_len:
-            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                              f"your request has {count} tokens.", param)
+            raise context_too_long(self.max_model_len, f"your request has {count} tokens.", param)
 
     async def tokenize(self, body: bytes) -> dict[str, Any]:
         request: TokenizeRequest = await read_struct(body, TokenizeRequest)

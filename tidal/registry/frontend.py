@@ -172,18 +172,17 @@ class Frontend:
         if not engine.healthy:
             raise engine_unavailable(engine.dead or "still starting")
         now = trio.current_time()
-        order = next(self._ids)
-        victim = self._admit(priority, (priority, now, order))
+        request_id = next(self._ids)  # also the order of arrival (ties of the same instant)
+        victim = self._admit(priority, (priority, now, request_id))
         engine = engine.pick(prompt_token_ids)  # the replica that will serve it soonest (tidal/engines/router.py)
         if timeline is None:
             timeline = Timeline(time.monotonic())
         timeline.admitted = time.monotonic()
         timeline.recorder = self.recorder
         request = ActiveRequest(
-            request_id=order,
+            request_id=request_id,
             priority=priority,
             arrival_time=now,
-            arrival_order=order,
             num_prompt_tokens=len(prompt_token_ids),
             params=params,
             mailbox=Mailbox(self.config.max_stream_buffer_bytes),
@@ -191,7 +190,7 @@ class Frontend:
             timeline=timeline,
             adapter=None if adapter is None else adapter.name,
         )
-        engine.submit_nowait(AddRequest(request.request_id, prompt_token_ids, params, priority, time.time(), fork_of,
+        engine.submit_nowait(AddRequest(request.request_id, prompt_token_ids, params, priority, now, fork_of,
                                         None if adapter is None else adapter.adapter_id))
         timeline.queued = time.monotonic()
         self.requests.add(request)
@@ -273,11 +272,9 @@ class Frontend:
         else:
             self.metrics.inter_output_m.observe(now - request.last_output_time)
         request.last_output_time = now
-        request.num_output_tokens += len(output.token_ids)
         if output.num_draft_tokens:
             request.num_draft_tokens, request.num_accepted_tokens = output.num_draft_tokens, output.num_accepted_tokens
         if output.finish_reason is not None:
-            request.finish_reason = output.finish_reason
             if request.state is RequestState.QUEUED:
                 self._start(request)
             self._end(request, RequestState.FINISHED, output.finish_reason, self.metrics.finished, output,

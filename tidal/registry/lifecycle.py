@@ -56,8 +56,9 @@ class IllegalTransition(RuntimeError):
 class ActiveRequest:
     request_id: int
     priority: int
-    arrival_time: float  # trio clock
-    arrival_order: int
+    # admitted at, on the trio clock (its deadlines and latency histograms); the engine orders by it too.
+    # The hop story's stamps, which must line up with the engine's, are on its timeline (monotonic).
+    arrival_time: float
     num_prompt_tokens: int
     params: SamplingParams
     mailbox: Mailbox
@@ -71,11 +72,12 @@ class ActiveRequest:
     queue_scope: trio.CancelScope | None = field(default=None, repr=False)
     # its clock from first byte to last frame, every hop stamped (tidal/observe/timeline.py); the one owner
     timeline: Timeline = field(default_factory=lambda: Timeline(0.0), repr=False)
-    num_output_tokens: int = 0  # received from the engine
     # speculative decoding: tokens proposed for it and accepted, as its latest engine output counted them
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    finish_reason: str | None = None  # the engine's, once it finished the request
+    # the OutputReader that reads it (tidal/service/reader.py), the one owner of its output count and
+    # finish reason; None until its handler has one
+    reader: Any = field(default=None, repr=False)
     adapter: str | None = None  # the name of the LoRA adapter it runs through; None: the base model
 
     @property
@@ -85,7 +87,7 @@ class ActiveRequest:
     @property
     def urgency(self) -> tuple[int, float, int]:
         """Lower is more urgent (vLLM's convention: lower priority value is served first)."""
-        return (self.priority, self.arrival_time, self.arrival_order)
+        return (self.priority, self.arrival_time, self.request_id)  # ids count up: the earlier first
 
     def move_to(self, new: RequestState) -> None:
         old = self.state

@@ -8,7 +8,7 @@ past it the mailbox reports an overflow
 and the request is aborted as a slow client.
 
 A reader that can use an output the moment it arrives (a stream whose socket takes the frame
-at once, see ``SseBody``) may set ``direct`` while it waits: ``put_nowait`` then offers each
+at once, see ``EventStream``) may set ``direct`` while it waits: ``put_nowait`` then offers each
 non-final output to it first, from the frontend's reader task, and wakes the reader only for
 what it declines. That saves a task wake-up per token for every stream that keeps up.
 

@@ -1,8 +1,11 @@
-"""The one service path every completion request takes, HTTP or WebSocket: admit -> first output -> answer.
+"""The one service path every completion-style request takes, whatever its API: admit -> first output -> answer.
 
-``Api.admit`` parses, validates, tokenises and opens the request; ``Api.first_output`` waits for
-the engine's first output (or the error that ended it) so the status is known before any byte;
-``Api.respond`` turns the rest into an answer (bytes, or an SSE body to stream).
+``Api.admit`` parses, validates, tokenises and opens the request (every API's body is translated
+to a chat or completions request first: tidal/openai/requests.py is that common shape);
+``Api.first_output`` waits for the engine's first output (or the error that ended it) so the
+status is known before any byte; ``answer`` turns the rest into the API's answer through its
+renderer: one ``EventStream`` (tidal/service/stream.py), or one ``collect``. ``guarded`` is every
+route's error boundary until its status is sent.
 """
 
 from __future__ import annotations
@@ -11,42 +14,70 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import msgspec
 
 from tidal.errors import ApiError, bad_request, internal_error
 from tidal.registry.adapters import AdapterRegistry
 from tidal.registry.frontend import Frontend
-from tidal.http import fast_send
 from tidal.registry.lifecycle import ActiveRequest
-from tidal.openai.choices import ChoicesSseBody, collect_choices
-from tidal.openai.encoding import ChunkEncoder
 from tidal.openai.requests import (MAX_N, Validated, chat_messages, completion_prompt, fit_max_tokens, read_body,
                                    template_kwargs, validate)
 from tidal.service import body_cost
-from tidal.service.reasoning import THINK_END, ReasoningSplitter, prompt_state
-from tidal.service.stream import OutputReader, SseBody, collect
 from tidal.openai.token_logprobs import LogprobsFormatter, TokenTexts
+from tidal.service.reasoning import THINK_END, ReasoningSplitter, prompt_state
+from tidal.service.reader import Collector, OutputReader, collect
+from tidal.service.stream import EventStream, Renderer, Writer
 from tidal.service.tool_calls import ToolCallStream
 from tidal.observe.timeline import Timeline
 from tidal.tokenizer import PromptTokenizer
 
 PROMPT_TAIL_TOKENS = 32  # the prompt's end that says whether a template opened or closed the thinking
-log = logging.getLogger("tidal.openai.service")
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+log = logging.getLogger("tidal.service.api")
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-# (status, headers, body): body bytes, or an async iterable of SSE frames (SseBody, ChoicesSseBody)
+# (status, headers, body): body bytes, or an async iterable of frames (an EventStream)
 Answer = tuple[int, dict[str, str], Any]
 
 
 def error_answer(error: ApiError) -> Answer:
+    """The error in OpenAI's shape (Anthropic's routes have their own: tidal/anthropic/errors.py)."""
     return error.status, {"Content-Type": "application/json", **error.headers}, error.json()
 
 
 def json_answer(obj: Any, status: int = 200) -> Answer:
     return status, {"Content-Type": "application/json"}, msgspec.json.encode(obj)
+
+
+class Route(Protocol):
+    """A completion-style route: its API's request shape in, its answer out (tidal/http/completion_route.py)."""
+
+    async def respond(self, body: bytes, scope: dict, writer: Writer | None) -> Answer: ...
+
+    def error_answer(self, error: ApiError) -> Answer: ...
+
+
+async def guarded(respond: Awaitable[Answer], errors: Callable[[ApiError], Answer], what: str) -> Answer:
+    """The request's error boundary until its status is sent: whatever goes wrong is this request's
+    answer in its API's error shape (``errors``; a bug a 500), and nothing else's."""
+    try:
+        return await respond
+    except ApiError as error:
+        return errors(error)
+    except Exception as exc:
+        log.exception("unexpected error in a %s request", what)
+        return errors(internal_error(exc))
+
+
+async def answer(reader: OutputReader, renderer: Renderer, collector: Collector, stream: bool,
+                 writer: Writer | None) -> Answer:
+    """After the first output: the 200 with the event stream, or the whole answer (raises ApiError)."""
+    if stream:
+        return 200, SSE_HEADERS, EventStream(reader, renderer, writer)
+    return json_answer(await collect(reader, collector))
 
 
 class Api:
@@ -186,52 +217,6 @@ class Api:
 
     def _interval(self, checked: Validated) -> float:
         return (checked.stream_interval or self.frontend.config.stream_interval) if checked.stream else math.inf
-
-    async def respond(self, kind: str, body: bytes | dict, scope: dict) -> Answer:
-        """A completion request's answer, for any transport: (status, headers, body), the body
-        bytes or the SSE body iterable (``scope``: the ASGI scope, for the direct frame writer).
-
-        The request's error boundary until its status is sent: whatever goes wrong is this
-        request's answer in OpenAI's error shape (a bug a 500), and nothing else's.
-        """
-        try:
-            return await self._respond(kind, body, scope)
-        except ApiError as error:
-            return error_answer(error)
-        except Exception as exc:
-            log.exception("unexpected error in a %s request", kind)
-            return error_answer(internal_error(exc))
-
-    async def _respond(self, kind: str, body: bytes | dict, scope: dict) -> Answer:
-        actives, checked = await self.admit_choices(kind, body, timeline=self.timeline(scope))
-        # the first choice decides the status; the others are read as their output comes (some may
-        # still be queued behind the first ones: waiting for them here would leave those unread)
-        readers = [await self.first_output(actives[0], checked)]
-        readers += [self.later_choice(active, checked) for active in actives[1:]]
-        if len(readers) > 1:
-            return await self._respond_choices(kind, readers, checked, scope)
-        reader = readers[0]
-        encoder = ChunkEncoder(kind, self.served_name(actives[0]))  # type: ignore[arg-type]
-        if checked.stream:
-            return 200, _SSE_HEADERS, SseBody(reader, encoder, checked.include_usage, fast_send.body_writer(scope))
-        try:
-            return json_answer(await collect(reader, encoder))
-        except ApiError as error:
-            return error_answer(error)
-
-    async def _respond_choices(self, kind: str, readers: list[OutputReader], checked: Validated,
-                               scope: dict) -> Answer:
-        name = self.served_name(readers[0].request)
-        first = ChunkEncoder(kind, name)  # type: ignore[arg-type]
-        encoders = [first] + [ChunkEncoder(kind, name, i, first)  # type: ignore[arg-type]
-                              for i in range(1, len(readers))]
-        if checked.stream:
-            return 200, _SSE_HEADERS, ChoicesSseBody(readers, encoders, checked.include_usage,
-                                                     fast_send.body_writer(scope))
-        try:
-            return json_answer(await collect_choices(readers, encoders))
-        except ApiError as error:  # the choices still running end with the handler's RequestScope
-            return error_answer(error)
 
 
 def _offset_seed(seed: int, i: int) -> int:

@@ -1,224 +1,126 @@
-"""From a request's mailbox to the bytes of its response: SSE frames, or the final JSON.
+"""The one event-stream body: a request's frames, from its reader through a renderer to the transport.
+
+Every streamed answer is this body: chat and completions (SSE chunks), Responses (typed events),
+Messages (Anthropic's events) and a WebSocket request (chunk messages). What differs is the
+``Renderer``: the frames an API sends before the first delta, for each delta, after the last, and
+for an error. The body owns the rest, once:
+
+- the loop over ``OutputReader.next_delta`` (a delta that says nothing sends nothing);
+- the error boundary: an ``ApiError`` that ends the request, or any unexpected exception, becomes
+  the renderer's error frame, which ends the stream (never a dropped connection);
+- direct writes: once the headers are out, frames go straight to the socket through the ``Writer``
+  the transport handed in (tidal/http/fast_send.py), and a stream that has caught up has its
+  frames sent by the engine reader task (``_offer``): no task wake-up per token.
 
 The body is a small async-iterator class rather than a generator so that every frame its task
-sends is a real checkpoint (a mailbox ``take`` or
-``wait``), which keeps a handler whose client vanished from spinning (hypercorn's send becomes
-a no-op then). Whatever the engine produced while the client was still writing the previous
-frame is sent as one frame: one socket send for many tokens. A stream that has caught up has
-its frames sent by the engine reader task instead (``SseBody._offer``): no wake-up per token.
-A body holds nothing to release: a request not over when its body ends (the client went away)
-is closed by the handler's RequestScope (tidal/registry/frontend.py).
+sends is a real checkpoint (a mailbox ``take`` or ``wait``), which keeps a handler whose client
+vanished from spinning. Whatever the engine produced while the client was still taking the
+previous frame goes as one frame. A body holds nothing to release: a request not over when its
+body ends (the client went away) is closed by the handler's RequestScope (tidal/registry/frontend.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
 
 import trio
 
-from tidal.http.fast_send import BodyWriter
-from tidal.registry.frontend import Frontend
-from tidal.registry.lifecycle import ActiveRequest
-from tidal.openai.encoding import SSE_DONE, ChunkEncoder, sse, usage
-from tidal.errors import ApiError, bad_request, internal_error
-from tidal.service.reasoning import ReasoningSplitter
-from tidal.openai.token_logprobs import LogprobsFormatter
-from tidal.service.tool_calls import ToolCallStream
-from tidal.wire import Logprobs, RequestOutput
+from tidal.errors import ApiError, internal_error
+from tidal.service.reader import OutputReader
+from tidal.wire import RequestOutput
 
-log = logging.getLogger("tidal.openai.streaming")
+log = logging.getLogger("tidal.service.stream")
 
 
-class OutputReader:
-    """Reads a request's outputs as deltas of at least ``stream_interval`` tokens (plus the last).
+class Renderer(Protocol):
+    """An API's frames for one streamed answer (bytes, ready for the transport)."""
 
-    The reader's end is its mailbox's: a final output (``finish_reason``) or an ``ApiError``.
+    # a non-final delta's frame from its text alone, for a caught-up stream (None: no such shortcut)
+    content_frame: Callable[[str], bytes] | None
+
+    def opening(self, reader: OutputReader) -> bytes: ...  # before the first delta (b"": none)
+
+    def frames(self, reader: OutputReader, text: str) -> bytes: ...  # for one delta (b"": nothing to say)
+
+    def closing(self, reader: OutputReader) -> bytes: ...  # after the last delta
+
+    def error_frame(self, error: ApiError) -> bytes: ...  # the stream's last frame when it fails
+
+
+class Writer(Protocol):
+    """The transport's direct write of body frames (tidal/http/fast_send.BodyWriter)."""
+
+    async def write(self, data: bytes) -> bool: ...  # False: not possible (any more): use the ASGI path
+
+    def ready(self) -> bool: ...
+
+    def send_now(self, data: bytes) -> bytes | None: ...
+
+    async def write_framed(self, framed: bytes) -> None: ...
+
+
+class EventStream:
+    """The async iterable a transport sends as the body (SSE) or as messages (WebSocket).
+
+    ``separate_closing``: hand the closing frames out as their own item (a WebSocket sends each item
+    as one message); otherwise they go with the last delta's frames, in one socket write.
     """
 
-    def __init__(self, frontend: Frontend, request: ActiveRequest, first: RequestOutput | None, stream_interval: int,
-                 logprobs: LogprobsFormatter | None = None, tool_calls: ToolCallStream | None = None,
-                 reasoning: ReasoningSplitter | None = None):
-        """``first``: the request's first output, or None to wait for it at the first read (a
-        choice of n > 1 other than the first, which may still be queued: ``Frontend.first_output``
-        then applies its queue bound)."""
-        self.frontend = frontend
-        self.request = request
-        self.stream_interval = stream_interval
-        self.logprobs = logprobs  # set when the request asked for logprobs
-        self._logprob_ids: list[int] = []  # tokens (and their logprobs) not yet taken
-        self._logprob_values = Logprobs([], [], [])
-        self._tool_calls = tool_calls  # reads tool calls out of the text (chat with tools)
-        self.tool_calls: list[dict[str, Any]] | None = None  # the calls, once the request is over
-        self._reasoning = reasoning  # splits the model's thinking out of the text (--reasoning-parser)
-        self._reasoning_parts: list[str] = []  # thinking read but not yet taken
-        self._first: RequestOutput | None = first
-        self._started = first is not None  # the first output has been taken from the mailbox
-        self.num_tokens = 0
-        self.num_cached_tokens = first.num_cached_tokens if first is not None else 0
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
-        self.error: ApiError | None = None
-
-    @property
-    def done(self) -> bool:
-        """The last delta (or the error) has been read."""
-        return self.finish_reason is not None or self.error is not None
-
-    async def next_delta(self) -> str:
-        """The next text delta; ``finish_reason`` is set once it is the last. Raises the ApiError
-        that ended the request early (and keeps it in ``error``)."""
-        try:
-            return await self._next_delta()
-        except ApiError as error:  # from the mailbox, or the end of the output (a tool call too deep)
-            self.error = error
-            raise
-
-    async def _next_delta(self) -> str:
-        text_parts: list[str] = []
-        tokens = 0
-        mailbox = self.request.mailbox
-        while True:
-            if self._first is not None:
-                output, self._first = self._first, None
-                await trio.lowlevel.checkpoint()
-            elif not self._started:
-                output = await self.frontend.first_output(self.request)
-                self._started = True
-                if output.error is not None:  # refused by the engine before it was scheduled
-                    raise bad_request(output.error)
-            else:
-                output = await mailbox.take()
-                self.frontend.note_backlog(self.request)
-            if output.error is not None:  # the engine ended it mid-stream for what it asked (a constraint)
-                raise bad_request(output.error)
-            text_parts.append(output.text)
-            if self.logprobs is not None and output.logprobs is not None:
-                self._logprob_ids.extend(output.token_ids)
-                self._logprob_values.extend(output.logprobs)
-            tokens += len(output.token_ids)
-            self.num_tokens += len(output.token_ids)
-            self.num_cached_tokens = output.num_cached_tokens
-            if output.finish_reason is not None:
-                self.finish_reason = output.finish_reason
-                self.stop_reason = output.stop_reason
-                return self._content("".join(text_parts), final=True)
-            if tokens >= self.stream_interval:
-                return self._content("".join(text_parts), final=False)
-
-    def _content(self, text: str, final: bool) -> str:
-        """The message content in ``text``: thinking is set aside (``take_reasoning``) first, then
-        tool calls are held back and set at the end."""
-        splitter = self._reasoning
-        if splitter is not None:
-            reasoning, text = splitter.feed(text)
-            if final:
-                tail_reasoning, tail = splitter.finish()
-                reasoning, text = reasoning + tail_reasoning, text + tail
-            if reasoning:
-                self._reasoning_parts.append(reasoning)
-        calls = self._tool_calls
-        if calls is None:
-            return text
-        content = calls.feed(text)
-        if final:
-            tail, found = calls.finish()
-            content += tail
-            if found:
-                self.tool_calls = [call.to_openai(i) for i, call in enumerate(found)]
-                if self.finish_reason == "stop":
-                    self.finish_reason = "tool_calls"
-        return content
-
-    @property
-    def caught_up(self) -> bool:
-        """Everything so far has been read and the request is not over: the next read would wait."""
-        return self._started and self._first is None and self.request.mailbox.idle
-
-    @property
-    def has_output(self) -> bool:
-        """Output or the request's end is waiting to be read (reading it will not block)."""
-        return self._first is not None or not self.request.mailbox.idle
-
-    def take_reasoning(self) -> str | None:
-        """The thinking read since the last call (None without a reasoning parser or nothing new)."""
-        if not self._reasoning_parts:
-            return None
-        text = "".join(self._reasoning_parts)
-        self._reasoning_parts = []
-        return text
-
-    @property
-    def splits_reasoning(self) -> bool:
-        return self._reasoning is not None
-
-    def take_logprobs(self) -> dict[str, Any] | None:
-        """The OpenAI logprobs object of the tokens read since the last call (None if not asked)."""
-        if self.logprobs is None:
-            return None
-        ids, values = self._logprob_ids, self._logprob_values
-        self._logprob_ids, self._logprob_values = [], Logprobs([], [], [])
-        return self.logprobs.format(ids, values)
-
-    def usage(self) -> dict[str, Any]:
-        return usage(self.request.num_prompt_tokens, self.num_tokens, self.num_cached_tokens)
-
-
-class SseBody:
-    """The async iterable quart sends as a ``text/event-stream`` body.
-
-    Once the headers are out and the stream has caught up, its frames no longer pass through
-    this task: while it waits, the mailbox hands each new output to ``_offer``, which the
-    frontend's reader task runs right after the engine's report is decoded, and which sends the
-    frame to the socket at once (``BodyWriter.send_now``). So a stream that keeps up costs no
-    task wake-up per token. Anything else (the final frame, a full socket buffer, logprobs, tool
-    calls, ``stream_interval`` > 1) wakes this task and takes the ordinary path.
-    """
-
-    def __init__(self, reader: OutputReader, encoder: ChunkEncoder, include_usage: bool,
-                 writer: BodyWriter | None = None):
+    def __init__(self, reader: OutputReader, renderer: Renderer, writer: Writer | None = None,
+                 separate_closing: bool = False):
         self.reader = reader
-        self.encoder = encoder
-        self.include_usage = include_usage
+        self.renderer = renderer
         self.writer = writer  # writes frames straight to the socket once the headers are out
+        self.separate_closing = separate_closing
         # one engine output is one frame, with nothing to hold back or accumulate
-        self._direct = (writer is not None and reader.stream_interval <= 1 and reader.logprobs is None
-                        and reader._tool_calls is None and reader._reasoning is None)
+        self._direct = writer is not None and renderer.content_frame is not None and reader.plain
         self._unsent = b""  # the tail of a frame the socket did not take in ``_offer``
-        self._timeline = reader.request.timeline  # each frame handed to the socket is stamped on it
+        self._timeline = reader.request.timeline  # each delta's frame handed on is stamped on it
+        self._opened = False
+        self._closing_due = False  # the closing frames come next, as their own item (separate_closing)
+        self._over = False  # every frame has been made
+        self._stamp = False  # the frame made last carries a delta (or the error that replaced one)
 
-    def __aiter__(self) -> "SseBody":
+    def __aiter__(self) -> "EventStream":
         return self
 
     async def __anext__(self) -> bytes:
-        # quart sent the headers before asking for the first chunk: from here on, frames can go
-        # straight to the socket; quart then only ends the body
+        # the transport sent the headers before asking for the first frame: from here on, frames
+        # can go straight to the socket; the transport then only ends the body
         reader = self.reader
-        mailbox = reader.request.mailbox
-        while self.writer is not None and not reader.done:
+        while self.writer is not None:
             if self._unsent:
                 tail, self._unsent = self._unsent, b""
                 await self.writer.write_framed(tail)
                 self._timeline.wrote(time.monotonic())
-            elif self._direct and reader.caught_up and self.writer.ready():
+            elif self._direct and self._opened and not self._over and reader.caught_up and self.writer.ready():
+                mailbox = reader.request.mailbox
                 mailbox.direct = self._offer
                 try:
                     await mailbox.wait()
                 finally:
                     mailbox.direct = None
             else:
-                frame = await self._next_frame()
+                frame = await self.next_frame()
+                if frame is None:
+                    raise StopAsyncIteration
                 if not await self.writer.write(frame):
                     self.writer = None
-                    self._timeline.wrote(time.monotonic())  # handed to the ASGI send
+                    self._wrote()  # handed to the transport's own send
                     return frame
-                self._timeline.wrote(time.monotonic())
-        if reader.done:
+                self._wrote()
+        frame = await self.next_frame()
+        if frame is None:
             raise StopAsyncIteration
-        frame = await self._next_frame()
-        self._timeline.wrote(time.monotonic())  # handed to the ASGI send
+        self._wrote()  # handed to the transport's own send
         return frame
+
+    def _wrote(self) -> None:
+        if self._stamp:
+            self._timeline.wrote(time.monotonic())
 
     def _offer(self, output: RequestOutput) -> bool:
         """Send a non-final output's frame now, from the reader task; False: let this task do it."""
@@ -228,7 +130,7 @@ class SseBody:
         text = output.text
         if text:  # no text (held back by the stop-string check): nothing to say yet
             try:
-                frame = self.encoder.content_frame(text)
+                frame = self.renderer.content_frame(text)  # type: ignore[misc]
             except Exception:  # whatever it is, it belongs to this request's task, not the reader's
                 return False
             tail = self.writer.send_now(frame)  # type: ignore[union-attr]
@@ -242,38 +144,42 @@ class SseBody:
                 mailbox.direct = None
                 mailbox.last_take_time = trio.current_time()
                 mailbox.wake()
-        reader.num_tokens += len(output.token_ids)
-        reader.num_cached_tokens = output.num_cached_tokens
+        reader.count(output)
         return True
 
-    async def _next_frame(self) -> bytes:
-        reader = self.reader
-        while True:
-            try:
+    async def next_frame(self) -> bytes | None:
+        """The next frames to send (one delta's, with the closing ones after the last), or None when
+        the stream is over. This request's error boundary: nothing raised here ends the connection."""
+        if self._over:
+            return None
+        reader, renderer = self.reader, self.renderer
+        try:
+            if self._closing_due:  # made now, after the last delta's frame went out (its stamp counts)
+                self._over, self._stamp = True, False
+                return renderer.closing(reader)
+            if not self._opened:
+                self._opened = True
+                frame = renderer.opening(reader)
+                if frame:
+                    self._stamp = False
+                    return frame
+            while True:
                 text = await reader.next_delta()
-                finish = reader.finish_reason
-                reasoning = reader.take_reasoning()
-                if finish is None and not text and not reasoning:
-                    continue  # e.g. text held back by the stop-string check: nothing to say yet
-                frame = sse(self.encoder.chunk_json(text, finish, reader.take_logprobs(), reader.tool_calls,
-                                                    reasoning))
-            except ApiError as error:
-                return sse(error.json()) + SSE_DONE
-            except Exception as exc:  # this request's error boundary: its stream ends with an error frame
-                log.exception("request %d: unexpected error while streaming", reader.request.request_id)
-                reader.error = internal_error(exc)
-                return sse(reader.error.json()) + SSE_DONE
-            if finish is not None:
-                if self.include_usage:
-                    frame += sse(self.encoder.usage_json(reader.usage()))
-                frame += SSE_DONE
-            return frame
-
-
-async def collect(reader: OutputReader, encoder: ChunkEncoder) -> dict[str, Any]:
-    """The whole completion as one OpenAI response object (stream=false). Raises ApiError."""
-    parts = []
-    while not reader.done:
-        parts.append(await reader.next_delta())
-    return encoder.full_response("".join(parts), reader.finish_reason, reader.usage(), reader.stop_reason,
-                                 reader.take_logprobs(), reader.tool_calls, reader.take_reasoning())
+                frame = renderer.frames(reader, text)
+                if reader.done:
+                    if self.separate_closing and frame:
+                        self._closing_due = True
+                    else:
+                        self._over = True
+                        frame += renderer.closing(reader)
+                if frame:
+                    self._stamp = True
+                    return frame
+        except ApiError as error:  # the request ended early (slow client, engine failure, a bad constraint)
+            frame = renderer.error_frame(error)
+        except Exception as exc:  # a bug: this request's stream ends with an error frame, nothing else's
+            log.exception("request %d: unexpected error while streaming", reader.request.request_id)
+            reader.error = internal_error(exc)
+            frame = renderer.error_frame(reader.error)
+        self._over, self._closing_due, self._stamp = True, False, True
+        return frame
