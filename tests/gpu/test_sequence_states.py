@@ -114,3 +114,25 @@ def test_a_fork_waits_for_its_parents_first_token_and_a_grammar_for_its_compile(
     batch = scheduler.schedule()
     assert {seq.request_id for seq, _ in batch.entries} == {1, 2, 3}
     assert constrained.status is S.RUNNING and not scheduler.compiling
+
+
+def test_one_token_list_the_prompt_and_output_read_it_back_live():
+    import torch
+
+    from tidal.gpu.sampler import apply_penalties
+
+    seq = make_seq(1)
+    output = seq.output_token_ids  # held across steps, as the sampler's batch holds it
+    assert seq.prompt_token_ids == [1, 2, 3, 4, 5] and output == [] and not output
+    seq.append_token(7)
+    seq.token_ids.append(8)  # any append to the one list, however it came
+    assert output == [7, 8] and output[-1] == 8 and output[1:] == [8] and len(output) == 2
+    assert seq.prompt_token_ids[-2:] == [4, 5] and seq.num_tokens == 7 and output + [9] == [7, 8, 9]
+    with pytest.raises(IndexError):
+        output[2]
+    # the penalties read the views exactly as they read lists
+    params = [SamplingParams(max_tokens=2, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)]
+    by_view, by_list = torch.ones(1, 10), torch.ones(1, 10)
+    apply_penalties(by_view, params, [output], [seq.prompt_token_ids])
+    apply_penalties(by_list, params, [[7, 8]], [[1, 2, 3, 4, 5]])
+    assert torch.equal(by_view, by_list) and by_view[0, 7] < 1.0

@@ -8,7 +8,8 @@ every place a sequence waits (tidal/gpu/scheduler.py).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Sequence as _Sequence
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING
 
 from tidal.wire import EngineTiming, FinishReason, SamplingParams, adapter_root_hash
@@ -45,10 +46,47 @@ class IllegalTransition(RuntimeError):
     """A sequence was moved where the table does not allow (a bug in the engine)."""
 
 
+class TokenSpan(_Sequence):
+    """A live, read-only view of part of a sequence's one token list: its prompt or its output.
+
+    Costs no copy to make and sees tokens appended later (the sampler keeps one per row across
+    steps); a slice of it is a list."""
+
+    __slots__ = ("_ids", "_start", "_stop")
+
+    def __init__(self, ids: list[int], start: int, stop: int | None = None):
+        self._ids, self._start, self._stop = ids, start, stop
+
+    def __len__(self) -> int:
+        return (len(self._ids) if self._stop is None else self._stop) - self._start
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            return self._ids[self._start + start:self._start + stop:step]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("token index out of range")
+        return self._ids[self._start + index]
+
+    def __iter__(self):
+        return iter(self._ids[self._start:self._stop])
+
+    def __add__(self, other: list[int]) -> list[int]:
+        return self[:] + list(other)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (list, TokenSpan)) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: int
-    prompt_token_ids: list[int]
+    prompt_token_ids: InitVar[list[int]]  # becomes the head of token_ids (read back as a TokenSpan)
     params: SamplingParams
     priority: int
     arrival_time: float
@@ -56,8 +94,7 @@ class Sequence:
     detokenizer: "IncrementalDetokenizer"
     generator: "torch.Generator | None" = None
     status: SequenceStatus = SequenceStatus.NEW  # written only by move_to
-    output_token_ids: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    token_ids: list[int] = field(init=False)  # the one token list: prompt, then output
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache (written by the scheduler alone)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first schedule; the scheduler)
@@ -85,14 +122,14 @@ class Sequence:
     # len(text) after each output token decoded since the last take: one text piece per token
     _text_marks: list[int] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        if not self.token_ids:
-            self.token_ids = list(self.prompt_token_ids)
+    def __post_init__(self, prompt_token_ids: list[int]) -> None:
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
         params = self.params
         # every id that ends the sequence when sampled (EOS unless ignored, stop_token_ids)
         self.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_token_ids)
-        limit = len(self.prompt_token_ids) + params.max_tokens
+        limit = self.num_prompt_tokens + params.max_tokens
         self.max_num_tokens = min(limit, self.max_model_len) if self.max_model_len else limit
         # the prefix cache's chain starts here: two adapters' KV for the same tokens differ
         self.root_hash = adapter_root_hash(self.adapter_id)
@@ -123,7 +160,6 @@ class Sequence:
         Stop checks in order: EOS, stop_token_ids (the id is the stop reason), stop strings
         (which need this token's text now), max_tokens and max_model_len.
         """
-        self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
         if token_id in self.stop_ids:
             if token_id not in self.eos_token_ids or self.params.ignore_eos:
@@ -173,3 +209,9 @@ class Sequence:
         pieces += [""] * (count - len(pieces))
         pieces[-1] += text[marks[-1] if marks else 0:]
         return pieces
+
+# read back from the one list (set after the class: the name is also the constructor's argument)
+Sequence.prompt_token_ids = property(  # type: ignore[attr-defined]
+    lambda self: TokenSpan(self.token_ids, 0, self.num_prompt_tokens), doc="The prompt (a view of token_ids).")
+Sequence.output_token_ids = property(  # type: ignore[attr-defined]
+    lambda self: TokenSpan(self.token_ids, self.num_prompt_tokens), doc="The output so far (a view of token_ids).")
