@@ -175,7 +175,7 @@ def test_a_tool_call_answer_is_traced_with_the_finish_reason_its_client_got(serv
                                          extra_headers={"traceparent": traceparent})
     assert out.choices[0].finish_reason == "tool_calls"  # the engine said "stop"; the answer is calls
     root, _ = collector.trace(trace_id)
-    attributes = _attributes(root)
+    attributes = span_attributes(root)
     assert attributes["gen_ai.response.finish_reasons"] == ["tool_calls"]
     assert attributes["gen_ai.usage.output_tokens"] == out.usage.completion_tokens
 
