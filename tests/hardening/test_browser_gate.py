@@ -45,6 +45,19 @@ def test_json_routes_require_a_json_content_type(server):
         assert status == 200, answer
 
 
+def test_a_refused_small_body_keeps_its_connection_and_a_large_one_closes_it(server):
+    """curl -d without -H is a common slip: its 415 leaves the keep-alive connection usable."""
+    with Http1Connection(server.port) as conn:
+        for body in (b"", BODY):
+            status, headers, answer = conn.request("POST", "/v1/completions", body, content_type=None)
+            assert_openai_error(status, headers, answer, 415)
+            assert conn.reusable
+        assert conn.request("POST", "/v1/completions", BODY)[0] == 200
+    with Http1Connection(server.port) as conn:  # past the drain limit the server stops reading and closes
+        status, headers, _ = conn.request("POST", "/v1/completions", b" " * (1 << 20), content_type="text/plain")
+        assert status == 415 and headers.get("connection") == "close"
+
+
 @pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.2"])
 def test_a_host_not_naming_the_loopback_is_refused(server, host):
     """DNS rebinding: the page's Origin matches the Host it sends, but the Host is not ours."""

@@ -15,6 +15,7 @@ from tidal.errors import ApiError
 from tidal.service.decode import decode_struct
 from tidal.registry.adapters import MAX_NAME_CHARS
 from tidal.service.api import Api, error_answer
+from tidal.wire import INT32_MAX
 
 MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
 
@@ -26,7 +27,7 @@ class LoadLoraAdapterRequest(msgspec.Struct):
 
 class UnloadLoraAdapterRequest(msgspec.Struct):
     lora_name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
-    lora_int_id: int | None = None  # vLLM's; the name alone says which
+    lora_int_id: Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)] | None = None  # vLLM's; the name alone says which
 
 
 REQUEST_BODIES: dict[tuple[str, str], type] = {

@@ -28,6 +28,7 @@ from tidal.service.api import error_answer
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _PREFLIGHT_MAX_AGE = "600"
+_DRAIN_LIMIT = 64 * 1024  # a refused body read to keep its connection open
 
 
 def is_loopback(bind_host: str) -> bool:
@@ -132,6 +133,22 @@ async def refuse(scope, receive, send, error: ApiError) -> None:
     status, headers, body = (anthropic_errors.error_answer(error) if is_anthropic_path(scope["path"])
                              else error_answer(error))
     raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    if not await _drained(receive):  # the rest of a large body is not worth reading: close instead
+        raw.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status,
-                "headers": [*raw, (b"content-length", b"%d" % len(body)), (b"connection", b"close")]})
+                "headers": [*raw, (b"content-length", b"%d" % len(body))]})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _drained(receive) -> bool:
+    """Read a refused request's body so the connection can serve the next request; False (the
+    connection should close) once more than ``_DRAIN_LIMIT`` bytes came without its end."""
+    read = 0
+    while read <= _DRAIN_LIMIT:
+        message = await receive()
+        if message["type"] != "http.request":
+            return False
+        read += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return True
+    return False
