@@ -3,7 +3,8 @@
 The grammar compiler's set-up (importing xgrammar, the tokenizer info: 1-4 s of mostly-Python work)
 ran on the first constrained request's compile thread, holding the GIL against the step loop: a
 neighbour stream's longest gap was ~0.6-0.7 s at that request (28-66 ms at the second). The engine
-now builds it at its start, on a thread of its own. The bound below is generous for a loaded host.
+now builds it at its start, on a thread of its own. The longest gap is compared with the same stream's
+longest gap in the second before the request, so a loaded host's own jitter does not fail it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import httpx
 from live_server import LiveServer
 
 WARM_UP_WAIT = 15.0  # seconds after the server is ready: the set-up is done by then, even on a loaded host
+BASELINE = 1.0  # seconds of the neighbour's stream before the request, to compare its gaps with
 
 
 def test_the_first_constrained_request_does_not_stall_a_neighbour_stream():
@@ -33,8 +35,10 @@ def test_the_first_constrained_request_does_not_stall_a_neighbour_stream():
         thread = threading.Thread(target=neighbour, daemon=True)
         thread.start()
         assert first.wait(30)
-        time.sleep(0.5)
+        time.sleep(1.5)
         started = time.monotonic()
+        before = [started - BASELINE, *[t for t in arrivals if started - BASELINE < t < started], started]
+        baseline = max(b - a for a, b in zip(before, before[1:]))
         answer = server.client.post(server.url + "/v1/completions", timeout=60, json={
             "prompt": "Hi", "max_tokens": 4, "structured_outputs": {"regex": "[a-c]{4}"}})
         ended = time.monotonic()
@@ -42,5 +46,7 @@ def test_the_first_constrained_request_does_not_stall_a_neighbour_stream():
         assert answer.status_code == 200, answer.text
         times = [started, *[t for t in arrivals if started < t < ended], ended]
         gap = max(b - a for a, b in zip(times, times[1:]))
-        print(f"first constrained request: answered in {ended - started:.2f} s, neighbour's longest gap {gap * 1000:.0f} ms")
-        assert gap < 0.2, gap  # 262 ms without the warm-up on the same loaded host, 29 ms with it
+        print(f"first constrained request: answered in {ended - started:.2f} s, neighbour's longest gap "
+              f"{gap * 1000:.0f} ms ({baseline * 1000:.0f} ms in the second before)")
+        # the stall was 0.6-0.7 s against a 28-66 ms baseline
+        assert gap < max(0.2, 4 * baseline), (gap, baseline)
