@@ -26,6 +26,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "Face model directory (config.json, *.safetensors, tokenizer.json), a GGUF file (or a "
                         "directory holding one), 'ollama:NAME[:TAG]' (a model Ollama pulled; docs/models.md), or "
                         "'tidal-tiny', the embedded 7M-parameter Llama with deterministic weights (default).")
+    g.add_argument("--generation-config", default="auto",
+                   help="Sampling defaults for requests that leave them unset (temperature, top_p, top_k, "
+                        "repetition_penalty): 'auto' from the model's generation_config.json (default), 'vllm' "
+                        "ignores it (temperature 1.0), or a directory holding a generation_config.json (e.g. for "
+                        "a GGUF file). The ready log says which apply; GET /v1/models shows them.")
     g.add_argument("--tokenizer", default=None,
                    help="GGUF models only: a Hugging Face model directory whose tokenizer (and chat template) to "
                         "use instead of the one in the file.")
@@ -258,6 +263,7 @@ def server_config(args: argparse.Namespace):
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         ui=args.ui,
+        generation_config=args.generation_config,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
         otlp_traces_endpoint=args.otlp_traces_endpoint,
@@ -285,6 +291,10 @@ def _check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tokenizer_workers", "stream_interval"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.generation_config not in ("auto", "vllm") and not os.path.isfile(
+            os.path.join(os.path.expanduser(args.generation_config), "generation_config.json")):
+        p.error(f"--generation-config {args.generation_config}: no generation_config.json there "
+                "(give auto, vllm or a directory holding one)")
     if args.max_model_len is not None and args.max_model_len < 2:
         p.error("--max-model-len must be at least 2")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:

@@ -38,6 +38,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # the model's tool-call format, parsed under tool_choice "auto"
     reasoning_parser: str | None = None  # the model's thinking format (tidal/service/reasoning.py)
     ui: bool = True  # the chat page at / (docs/ui.md)
+    generation_config: str = "auto"  # the model's sampling defaults: auto, vllm or a directory (sampling_defaults.py)
     # origins whose pages may open /v1/ws besides this server's own ("*": any); docs/admission.md
     allowed_origins: tuple[str, ...] = ()
     # Host names served besides loopback's own when bound to loopback ("*": any); tidal/http/browser_gate.py

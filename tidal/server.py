@@ -47,6 +47,7 @@ from tidal.engines.replicas import ReplicaSet, replica_config
 from tidal.registry.adapters import AdapterRegistry
 from tidal.engines.router import Router
 from tidal.observe.server_state import ServerState
+from tidal import sampling_defaults
 from tidal.tokenizer import PromptTokenizer
 from tidal.ui import register_state, register_ui
 
@@ -100,8 +101,10 @@ class Server:
             recorder = TraceRecorder(self.metrics, self._span_export())
             frontend = self.frontend = Frontend(cfg, self.engine, self.metrics,
                                                 ready.max_num_seqs * cfg.data_parallel_size, recorder)
+            defaults = sampling_defaults.read(ready.model, cfg.generation_config)
+            log.info("%s", sampling_defaults.describe(defaults, cfg.generation_config))
             api = Api(frontend, tokenizer, cfg.model_name, ready.max_model_len, ready.vocab_size,
-                      cfg.tool_call_parser, cfg.reasoning_parser, self.adapters, ready.model)
+                      cfg.tool_call_parser, cfg.reasoning_parser, self.adapters, ready.model, defaults)
             lora_info = (lambda: (frontend.requests.running_adapters, frontend.requests.queued_adapters,
                                   cfg.engine.max_loras)) if cfg.enable_lora else lambda: None
             app = create_app(api, cfg.api_key, cfg.max_request_body_bytes,

@@ -115,7 +115,8 @@ def create_app(api: Api, api_key: str | None, max_body_bytes: int, metrics_rende
         model it adapts, its root its directory)."""
         if adapter is None:
             return {"id": api.model_name, "object": "model", "created": 0, "owned_by": "tidal",
-                    "root": api.model_root, "parent": None, "max_model_len": api.max_model_len}
+                    "root": api.model_root, "parent": None, "max_model_len": api.max_model_len,
+                    "sampling_defaults": api.sampling_defaults}
         return {"id": adapter.name, "object": "model", "created": 0, "owned_by": "tidal", "root": adapter.spec.path,
                 "parent": adapter.base_model_name, "max_model_len": api.max_model_len}
 

@@ -444,8 +444,11 @@ def _forced_tool_call(use: ToolUse | None) -> StructuredOutput | None:
     return StructuredOutput("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
-def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> Validated:
-    """Range checks shared by both endpoints. Prompt length is checked after tokenising."""
+def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int,
+             defaults: dict[str, float] | None = None) -> Validated:
+    """Range checks shared by both endpoints. Prompt length is checked after tokenising. ``defaults``: the
+    model's sampling defaults (tidal/sampling_defaults.py) for the fields the request leaves unset."""
+    defaults = defaults or {}
     r = request
     num_logprobs = _logprobs(r)
     structured, structured_param = structured_output(r)
@@ -461,15 +464,15 @@ def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int
     max_tokens = r.max_tokens
     if isinstance(r, ChatCompletionRequest) and r.max_completion_tokens is not None:
         max_tokens = r.max_completion_tokens
-    temperature = 1.0 if r.temperature is None else r.temperature
-    top_p = 1.0 if r.top_p is None else r.top_p
-    top_k = r.top_k
+    temperature = defaults.get("temperature", 1.0) if r.temperature is None else r.temperature
+    top_p = defaults.get("top_p", 1.0) if r.top_p is None else r.top_p
+    top_k = int(defaults["top_k"]) if r.top_k is None and "top_k" in defaults else r.top_k
     if top_k is not None and top_k <= 0:
         top_k = None
     min_p = 0.0 if r.min_p is None else r.min_p
     presence = r.presence_penalty or 0.0
     frequency = r.frequency_penalty or 0.0
-    repetition = 1.0 if r.repetition_penalty is None else r.repetition_penalty
+    repetition = defaults.get("repetition_penalty", 1.0) if r.repetition_penalty is None else r.repetition_penalty
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
     _check(len(stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings are supported "
            f"(got {len(stop)})", "stop")

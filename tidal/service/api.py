@@ -85,8 +85,10 @@ class Api:
 
     def __init__(self, frontend: Frontend, tokenizer: PromptTokenizer, model_name: str, max_model_len: int,
                  vocab_size: int, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 adapters: AdapterRegistry | None = None, model_root: str | None = None):
+                 adapters: AdapterRegistry | None = None, model_root: str | None = None,
+                 sampling_defaults: dict[str, float] | None = None):
         self.frontend = frontend
+        self.sampling_defaults = sampling_defaults or {}  # the model's, for fields a request leaves unset
         self.model_root = model_root  # where the engine read the model from (its /v1/models card's root)
         # the LoRA adapters a request's ``model`` may name besides the base model
         self.adapters = adapters if adapters is not None else AdapterRegistry(model_name)
@@ -137,7 +139,9 @@ class Api:
         adapter = self.adapters.resolve(parsed.model)  # 404 for a name that is neither the model nor an adapter
         # a large body's schemas and earlier tool calls hold JSON text to decode: off the loop too
         large = body_cost.is_large(body)
-        checked = await body_cost.run(validate, parsed, self.vocab_size) if large else validate(parsed, self.vocab_size)
+        defaults = self.sampling_defaults
+        checked = (await body_cost.run(validate, parsed, self.vocab_size, defaults) if large
+                   else validate(parsed, self.vocab_size, defaults))
         timeline.parsed = time.monotonic()
         if kind == "chat":
             tools = [msgspec.to_builtins(t) for t in parsed.tools] if parsed.tools else None  # type: ignore[union-attr]
