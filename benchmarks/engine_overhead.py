@@ -1,4 +1,4 @@
-"""The engine's own work per step, with a forward pass of fixed length (issue 11 item 2).
+"""The engine's own work per step, with a forward pass of fixed length.
 
     python benchmarks/engine_overhead.py [--batches 1,16,64,256] [--step-ms 4.48]
                                          [--steps 200] [--runs 5] [--sampling greedy|random|stop]

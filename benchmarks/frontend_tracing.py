@@ -3,7 +3,7 @@
     python benchmarks/frontend_tracing.py [--base-ref REF] [--batch 64] [--rounds 3] [--output-len 256]
 
 Starts three ``tidal serve --model tidal-test --min-step-time 4.48 ms`` servers: the tree at
-``--base-ref`` (before issue 25: no timeline, no hop histograms; checked out in a temporary git
+``--base-ref`` (a tree from before request timelines: no timeline, no hop histograms; checked out in a temporary git
 worktree), this tree without tracing, and this tree with ``--otlp-traces-endpoint`` pointing at a
 local OTLP/HTTP receiver in this process (it reads each POST and answers 200). The engine's pass costs
 nothing and every step lasts exactly STEP, so the frontend is the only real work. In each round, each
@@ -51,7 +51,7 @@ def cpu_seconds(proc: psutil.Process) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--base-ref", default=None, help="git ref of the tree before issue 25 (omit: skip it)")
+    ap.add_argument("--base-ref", default=None, help="git ref of a tree from before request timelines, e.g. 35f6bba (omit: skip it)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--output-len", type=int, default=256)

@@ -1,4 +1,4 @@
-"""Llama-3-8B-shaped decode on a GPU through tidal's own code (issue 11 items 2 and 3).
+"""Llama-3-8B-shaped decode on a GPU through tidal's own code.
 
     python benchmarks/gpu_decode.py [--batches 1 8 32 64 128 256] [--context 1024]
                                     [--engine-batches 1 64 256] [--engine-steps 50]
@@ -357,7 +357,7 @@ def bench_engine(args, model_dir: str, device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print("overhead = step - forward-only; % of ideal = forward-only / step "
-          "(issue 11 targets: overhead <= 0.2 ms at batch 64, <= 0.5 ms at batch 256)")
+          "(targets: overhead <= 0.2 ms at batch 64, <= 0.5 ms at batch 256)")
 
 
 def main(argv=None) -> int:

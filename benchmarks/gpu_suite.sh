@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check of issue 11 in one call, each step under its own time limit so one failure does
+# Every GPU check in one call, each step under its own time limit so one failure does
 # not eat the rest (the device lease is 15 minutes, start-up included). Logs go to $OUT (or ./gpu_out).
 #
 #   bash benchmarks/gpu_suite.sh            # from the repository root, on a machine with CUDA
@@ -9,7 +9,7 @@
 #    against the measured bandwidth floor; the Engine's per-step overhead at batch 1/64/256
 # 3. benchmarks/kernels_gpu.py: the Triton kernels' correctness and bandwidth on the GPU
 # 4. tests/kernels compiled on the GPU (the conftest leaves the interpreter alone when CUDA is present)
-# 5. with QUANTIZED=1 (issue 24): benchmarks/quantized_gpu.py (int8/int4/fp8 linears against the bandwidth
+# 5. with QUANTIZED=1: benchmarks/quantized_gpu.py (int8/int4/fp8 linears against the bandwidth
 #    floor) and gpu_decode.py --quantization int4 (a decode step); QUANTIZED=only runs these alone
 # Without CUDA it says so and exits 0.
 set -u

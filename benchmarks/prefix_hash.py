@@ -1,5 +1,5 @@
 """Cost of a prefix-cache block key: the chained BLAKE2b-128 digest against Python's hash() of a
-tuple (what it replaced), per full block, side by side in one run (issue 9 item 8).
+tuple (what it replaced), per full block, side by side in one run.
 
     python benchmarks/prefix_hash.py [--block-size 16] [--prompt-tokens 4096]
 """

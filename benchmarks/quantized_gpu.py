@@ -1,4 +1,4 @@
-"""GPU benchmark of the quantized linears (issue 24 item 4). Needs CUDA; on a CPU box it says so and exits 0.
+"""GPU benchmark of the quantized linears. Needs CUDA; on a CPU box it says so and exits 0.
 
     python benchmarks/quantized_gpu.py [--rows 1 16 64] [--skip-check]
 

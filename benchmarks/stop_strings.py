@@ -1,4 +1,4 @@
-"""What long stop strings cost the engine, and everyone else (issue 9 item 2).
+"""What long stop strings cost the engine, and everyone else.
 
 1. In process: the time and memory to set up one request's stop matching (the detokenizer
    of a request), for stop strings that share no prefix, then the slowest step of streaming

@@ -33,7 +33,7 @@ from msgspec import Meta
 # What a frame and the engine can hold. msgpack carries integers in [-2^63, 2^64); the engine
 # keeps counts and token ids in 32 bits; seeds are 64-bit signed (msgspec bounds no wider). The
 # request types (tidal/openai/requests.py) declare their fields with these or narrower bounds,
-# so a value that was accepted always encodes and always fits (issue 23).
+# so a value that was accepted always encodes and always fits.
 INT32_MAX = 2**31 - 1
 Int32 = Annotated[int, Meta(ge=-(2**31), le=INT32_MAX)]
 Count = Annotated[int, Meta(ge=0, le=INT32_MAX)]

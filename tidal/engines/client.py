@@ -112,7 +112,7 @@ class EngineClient:
         """Queue the request for the engine. Never blocks.
 
         The frame is encoded here, in the caller's task: a request whose data cannot encode
-        fails its own task, never the writer that every request shares (issue 23).
+        fails its own task, never the writer that every request shares.
         """
         if self.dead is not None:
             raise EngineDead(self.dead)

@@ -9,7 +9,7 @@ acquiring it does not wait) to keep writes in order; only when the socket buffer
 slow client) does it wait for the socket, and that wait, unlike hypercorn's, can be cancelled.
 
 The streaming loop still checkpoints once per frame it sends (``Mailbox.take``), so a task
-whose client vanished cannot spin (stack-probe pitfall P3); ``BodyWriter.send_now`` is the
+whose client vanished cannot spin; ``BodyWriter.send_now`` is the
 synchronous variant the engine reader task uses for streams that have caught up. TLS connections and anything but raw
 data keep hypercorn's path unchanged. If hypercorn's internals ever change shape, ``install``
 leaves the original in place.
