@@ -109,6 +109,12 @@ def test_bad_input_is_a_4xx_in_anthropic_shape(server, body, status, kind):
     assert error["type"] == "error" and error["error"]["type"] == kind and error["error"]["message"], error
 
 
+def test_bounds_are_named_as_anthropic_states_them(server):
+    answer = server.client.post(server.url + "/v1/messages", headers=ANTHROPIC_HEADERS, json={
+        "model": SERVED_MODEL, "max_tokens": 2**31, "messages": [{"role": "user", "content": "x"}]})
+    assert answer.status_code == 400 and "max_tokens must be between 1 and 2^31-1" in answer.json()["error"]["message"]
+
+
 def test_a_wrong_key_is_a_401_in_anthropic_shape(server):
     answer = server.client.post(server.url + "/v1/messages", headers={"x-api-key": "wrong"},
                                 json={"model": SERVED_MODEL, "max_tokens": 5, "messages": []})

@@ -194,6 +194,9 @@ def test_bounds_are_named_in_the_responses_own_fields(server):
     answer = server.client.post(server.url + "/v1/responses", headers=AUTH,
                                 json={"input": "x", "metadata": {"k": "v" * 513}})
     assert "at most 16 pairs, keys of at most 64 characters" in answer.json()["error"]["message"]
+    answer = server.client.post(server.url + "/v1/responses", headers=AUTH,
+                                json={"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}})
+    assert answer.json()["error"]["message"] == "text.format of type json_schema needs a schema"
 
 
 def test_a_disconnect_mid_stream_frees_the_kv(server):

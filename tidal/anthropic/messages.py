@@ -21,7 +21,7 @@ from tidal.service.decode import INT32_MAX, Metadata, TopP, bounded
 
 MAX_MESSAGES = 1024
 # Every number in the body bounded in its type (so /openapi.json and its fuzzer see the bounds)
-MaxTokens = bounded(int, "max_tokens must be at least 1", ge=1, le=INT32_MAX)
+MaxTokens = bounded(int, "max_tokens must be between 1 and 2^31-1", ge=1, le=INT32_MAX)
 Temperature = bounded(float, "temperature must be between 0 and 1", ge=0.0, le=1.0)  # Anthropic's range, not OpenAI's
 TopK = bounded(int, "top_k must be -1 (off), 0 (off) or positive", ge=-1, le=INT32_MAX)
 BudgetTokens = bounded(int, "budget_tokens must be at least 0", ge=0, le=INT32_MAX)

@@ -192,6 +192,8 @@ def chat_request(request: ResponsesRequest, history: list[dict[str, Any]]) -> di
     forced_call = chat.get("tool_choice") not in (None, "auto", "none")
     if fmt is not None and fmt.type != "text" and not forced_call:  # a forced call's output is the call
         if fmt.type == "json_schema":
+            if fmt.schema is None:
+                raise bad_request("text.format of type json_schema needs a schema", "text.format")
             chat["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": fmt.name, "schema": fmt.schema, "strict": fmt.strict}}
         else:
