@@ -16,7 +16,7 @@ BLOCK = 4
 
 def make_seq(request_id: int, tokens: list[int]) -> Sequence:
     return Sequence(request_id=request_id, prompt_token_ids=list(tokens), params=SamplingParams(max_tokens=8),
-                    priority=0, arrival_time=0.0, arrival_order=request_id, detokenizer=None)  # type: ignore[arg-type]
+                    priority=0, arrival_time=0.0, detokenizer=None)  # type: ignore[arg-type]
 
 
 def compute(bm: BlockManager, seq: Sequence, n: int) -> bool:

@@ -16,7 +16,7 @@ from tidal.wire import SamplingParams
 def make_seq(rid: int, prompt_len: int, max_tokens: int, priority: int = 0) -> Sequence:
     return Sequence(request_id=rid, prompt_token_ids=[(rid * 31 + i) % 97 for i in range(prompt_len)],
                     params=SamplingParams(max_tokens=max_tokens), priority=priority, arrival_time=float(rid),
-                    arrival_order=rid, detokenizer=None)  # type: ignore[arg-type]
+                    detokenizer=None)  # type: ignore[arg-type]
 
 
 def run_step(scheduler: Scheduler, budget: int, max_seqs: int) -> list[Sequence]:
@@ -94,3 +94,15 @@ def test_priority_order_and_preemption_of_the_least_urgent():
         steps += 1
     assert low in batch.preempted and low.status is SequenceStatus.WAITING and not low.block_table
     assert high.status is SequenceStatus.RUNNING
+
+
+def test_a_tie_of_the_same_instant_goes_to_the_lower_request_id():
+    # The frontend hands ids out in admission order (ActiveRequest.urgency ties by id): the engine
+    # agrees with it even when it learns of the later request first (a grammar that compiled sooner).
+    scheduler = Scheduler(BlockManager(2, 4), max_num_seqs=1, max_num_batched_tokens=64, by_priority=True)
+    later, earlier = make_seq(2, 4, 1), make_seq(1, 4, 1)
+    later.arrival_time = earlier.arrival_time = 0.5
+    scheduler.add(later)
+    scheduler.add(earlier)
+    assert [seq for seq, _ in scheduler.schedule().entries] == [earlier]
+    assert scheduler.waiting == [later]

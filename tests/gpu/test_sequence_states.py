@@ -19,7 +19,7 @@ S = SequenceStatus
 
 def make_seq(rid: int, structured: StructuredOutput | None = None) -> Sequence:
     return Sequence(request_id=rid, prompt_token_ids=[1, 2, 3, 4, 5], params=SamplingParams(
-        max_tokens=2, structured=structured), priority=0, arrival_time=float(rid), arrival_order=rid,
+        max_tokens=2, structured=structured), priority=0, arrival_time=float(rid),
         detokenizer=None)  # type: ignore[arg-type]
 
 

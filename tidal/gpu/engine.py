@@ -29,7 +29,6 @@ process loop sends after each step (``take_report``).
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import os
 import time
@@ -101,7 +100,6 @@ class Engine:
         self.sampler = Sampler()
         self.sequences: dict[int, Sequence] = {}  # the live ones; where each waits is the scheduler's
         self.num_steps = 0
-        self._arrivals = itertools.count()
         self._started: list[int] = []
         self._outputs: list[RequestOutput] = []
         self._finished: list[int] = []
@@ -160,7 +158,6 @@ class Engine:
             params=params,
             priority=msg.priority,
             arrival_time=msg.arrival_time,
-            arrival_order=next(self._arrivals),
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, msg.prompt_token_ids, params.stop, params.skip_special_tokens),
             generator=make_generator(params.seed, self.runner.device),

@@ -89,8 +89,7 @@ class Sequence:
     prompt_token_ids: InitVar[list[int]]  # becomes the head of token_ids (read back as a TokenSpan)
     params: SamplingParams
     priority: int
-    arrival_time: float
-    arrival_order: int  # tie-breaker that keeps FCFS order stable
+    arrival_time: float  # admitted at, on the frontend's clock (AddRequest.arrival_time)
     detokenizer: "IncrementalDetokenizer"
     generator: "torch.Generator | None" = None
     status: SequenceStatus = SequenceStatus.NEW  # written only by move_to
@@ -149,10 +148,14 @@ class Sequence:
         self.status = status
 
     def sort_key(self, by_priority: bool) -> tuple:
-        """Lower sorts first: served earlier, preempted later."""
+        """Lower sorts first: served earlier, preempted later.
+
+        Ties of the same instant go by request id: the frontend hands ids out in admission order
+        (``ActiveRequest.urgency`` orders the same way), so the engine keeps no count of its own.
+        """
         if by_priority:
-            return (self.priority, self.arrival_time, self.arrival_order)
-        return (self.arrival_time, self.arrival_order)
+            return (self.priority, self.arrival_time, self.request_id)
+        return (self.arrival_time, self.request_id)
 
     def append_token(self, token_id: int) -> FinishReason | None:
         """Add one sampled token; return why the sequence ends with it, or None.
