@@ -97,11 +97,11 @@ def test_q8_0_and_q4_0_files_run_natively_and_match_transformers(dense_dir, tmp_
         dense_dir("llama"), kind, embedding_type=kind)))
 
 
-@pytest.mark.parametrize("kind", ["F16", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("kind", ["F16", "BF16", "Q5_0", "Q5_1"])
 def test_dense_and_dequantized_types_match_transformers(dense_dir, tmp_path, kind):
     model, config = load(gguf_model_dir(tmp_path, dense_dir("qwen3"), kind))
     assert not int_linears(model)
-    assert f"{kind} x14 {'dense' if kind == 'F16' else 'dequantized'}" in quantized_weights_note(model)
+    assert f"{kind} x14 {'dense' if kind in ('F16', 'BF16') else 'dequantized'}" in quantized_weights_note(model)
     state = reference_state_dict(dense_dir("qwen3"), "F32")
     for name in state:
         if name.endswith("_proj.weight"):

@@ -168,7 +168,9 @@ class GgufCheckpoint:
                 dense = weight.dequantize()
                 self.loaded[kind, f"native int{weight.bits} group {GROUP}{' + min' if weight.mins is not None else ''}"] += 1
             else:
-                if kind in DENSE:
+                if kind == "BF16":  # numpy has no bfloat16: the reader hands its bytes over as uint8
+                    dense = torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16).reshape(shape)
+                elif kind in DENSE:
                     dense = torch.from_numpy(np.array(tensor.data, dtype=np.float32)).reshape(shape)
                 else:
                     dense = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type)).reshape(shape)
