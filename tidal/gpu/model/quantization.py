@@ -81,7 +81,14 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] these integers stand for."""
-        k = self.q.shape[1]
+        n, k = self.q.shape
+        if k % self.group_size == 0:  # whole groups: broadcast each group's numbers over its inputs, no copies
+            groups = (n, k // self.group_size, 1)
+            q = self.q.view(n, -1, self.group_size).float()
+            if self.zero_points is not None:
+                q -= self.zero_points.float().view(groups)
+            w = q.mul_(self.scales.float().view(groups))
+            return (w if self.mins is None else w.add_(self.mins.float().view(groups))).view(n, k)
         q = self.q.float()
         if self.zero_points is not None:
             q = q - self.zero_points.float().repeat_interleave(self.group_size, dim=1)[:, :k]
@@ -225,6 +232,19 @@ class PackedInt:
             offsets = torch.zeros_like(scales)
         self.scales = self._blocked(scales, blocks, columns)
         self.offsets = None if offsets is None else self._blocked(offsets, blocks, columns)
+
+    @classmethod
+    def restore(cls, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, shape: list[int],
+                ops) -> PackedInt:
+        """A weight packed before, from its tensors and ``shape`` = ``layout()`` (a cache of packed weights)."""
+        self = cls.__new__(cls)
+        self.n, self.k, self.bits, self.group_size, self.activation_bits = shape
+        self.packed, self.scales, self.offsets, self._ops = packed, scales, offsets, ops
+        return self
+
+    def layout(self) -> list[int]:
+        """What ``restore`` needs besides the tensors."""
+        return [self.n, self.k, self.bits, self.group_size, self.activation_bits]
 
     @staticmethod
     def _pack_int4(q: torch.Tensor, group_size: int, blocks: int) -> torch.Tensor:
