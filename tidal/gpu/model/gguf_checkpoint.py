@@ -110,11 +110,6 @@ class GgufCheckpoint:
         self.loaded: Counter[tuple[str, str]] = Counter()  # (type, how it loaded) -> tensors, for ``describe``
         self._check()
 
-    @classmethod
-    def read(cls, model_dir: str, config: ModelConfig) -> GgufCheckpoint | None:
-        path = gguf_file(model_dir)
-        return None if path is None else cls(path, config)
-
     def _check(self) -> None:
         """Refuse a file whose tensors contradict the metadata, or whose types tidal cannot load, naming the tensor."""
         expected = expected_shapes(self.config)

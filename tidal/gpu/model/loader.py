@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tidal.gpu.model import compressed, gguf_checkpoint, quantization, quantized_linear, tiny_model
+from tidal.gpu.model import compressed, gguf_cache, gguf_checkpoint, quantization, quantized_linear, tiny_model
 from tidal.gpu.model.layers import Linear, packs_weights
 from tidal.gpu.model.config import ModelConfig
 from tidal.gpu.model.registry import LlamaForCausalLM, model_class
@@ -51,8 +51,8 @@ def load_model(
     ``torch._scaled_mm`` on CUDA).
     """
     config = ModelConfig.from_dir(model_dir)
-    gguf = gguf_checkpoint.GgufCheckpoint.read(model_dir, config)
-    if gguf is not None and (quantize is not None or tp is not None):
+    gguf_path = gguf_checkpoint.gguf_file(model_dir)
+    if gguf_path is not None and (quantize is not None or tp is not None):
         raise ValueError("a GGUF model brings its own tensor types and runs on one process: drop "
                          + ("--quantization" if quantize is not None else "--tensor-parallel-size"))
     checkpoint = compressed.CompressedCheckpoint.read(model_dir)
@@ -69,11 +69,18 @@ def load_model(
     if checkpoint is not None and tp is None and quantized_linear.fp8_runs_on(device):
         checkpoint.keep_fp8 = True  # FP8 weights stay FP8 on a GPU that multiplies them
     model = model_class(config)(config, attention, dtype=dtype, device=device, tp=tp)
+    gguf = gguf_state = None
+    # Q8_0 / Q4_0 / Q4_1 stay integers on the C++ kernel only (Q4_1's minimum); their packed form is cached on disk
+    native = gguf_path is not None and quantized_linear.int_kernel(device) == "cpu"
+    cached = gguf_cache.cache_path(model_dir, gguf_path, dtype) if native and gguf_cache.enabled() else None
     if tiny_model.has_generated_weights(model_dir, config):
         weights = tiny_model.generate_weights(config, tiny_model.special_token_ids(model_dir), config.init_seed)
         model.load_weights(weights.items())
-    elif gguf is not None:
-        gguf.native = quantized_linear.int_kernel(device) == "cpu"  # Q4_1's minimum: the C++ kernel only
+    elif cached is not None and gguf_cache.restore(cached, model, quantization.int_linear_ops(device)):
+        pass  # the file was read, checked and packed by an earlier start
+    elif gguf_path is not None:
+        gguf = gguf_checkpoint.GgufCheckpoint(gguf_path, config)
+        gguf.native = native
         model.load_weights(gguf.weights())
     elif checkpoint is not None:
         model.load_weights(checkpoint.decompress(iter_safetensors(model_dir)))
@@ -94,12 +101,17 @@ def load_model(
     elif gguf is not None:
         gguf.attach(dict(model.named_modules()))
         model.gguf_note = gguf.describe()
-    if (any(linear.quantized is not None for linear in decoder_linears) or lm_head_scheme is not None
+        # what a dense file's cache would save is small against its size on disk: cached when something was repacked
+        gguf_state = gguf_cache.dense_state(model) if cached is not None and gguf.kept else None
+    if (any(linear.quantized is not None or linear.int_packed is not None for linear in decoder_linears)
+            or lm_head_scheme is not None
             or packs_weights(dtype, device, linear_weights)):
         started = time.monotonic()
         model.pack_weights(linear_weights if linear_weights != dtype else None, lm_head_scheme)
         if gguf is not None:
             gguf_checkpoint.log.info("GGUF: linears packed for the kernels in %.1f s", time.monotonic() - started)
+    if gguf_state is not None:
+        gguf_cache.write(cached, gguf_state, model)
     return model, config
 
 
