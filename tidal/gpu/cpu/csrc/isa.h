@@ -1,6 +1,7 @@
-// Whether the kernels may pick AVX-512 tiles: every run-time choice of tiles asks this before the CPU's flags.
-// TIDAL_CPU_ISA=avx2 holds them to their AVX2 tiles, as a CPU without AVX-512 runs them (kernels.py then builds
-// the library without AVX-512 flags too), so one host can run, test and measure what an AVX2-only host runs.
+// What this CPU runs, asked in one place: every kernel's run-time choice of tiles reads `isa()`, never the CPU's
+// flags itself. Each answer is the CPU's own (__builtin_cpu_supports), so a build on one host runs the fast path of
+// whichever CPU loads it, held to AVX2 by TIDAL_CPU_ISA=avx2 (an AVX2-only CPU's paths, which kernels.py then also
+// builds without AVX-512 flags), so one host can run, test and measure what an AVX2-only host runs.
 #pragma once
 
 #include <cstdlib>
@@ -8,12 +9,30 @@
 
 namespace tidal_cpu {
 
-inline bool avx512_allowed() {
-  static const bool allowed = [] {
-    const char* isa = std::getenv("TIDAL_CPU_ISA");
-    return isa == nullptr || std::strcmp(isa, "avx2") != 0;
+struct Isa {
+  bool avx2_fma = false;     // AVX2 and FMA: every x86 kernel's baseline
+  bool avx512 = false;       // AVX512 F, BW, VL and DQ
+  bool avx512_bf16 = false;  // and AVX512-BF16 (vdpbf16ps)
+  bool avx512_vnni = false;  // and AVX512-VNNI (vpdpbusd)
+};
+
+inline const Isa& isa() {
+  static const Isa answer = [] {
+    Isa a;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    const char* held = std::getenv("TIDAL_CPU_ISA");
+    const bool avx512_allowed = held == nullptr || std::strcmp(held, "avx2") != 0;
+    a.avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    a.avx512 = avx512_allowed && a.avx2_fma && __builtin_cpu_supports("avx512f") &&
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512dq");
+    a.avx512_bf16 = a.avx512 && __builtin_cpu_supports("avx512bf16");
+    a.avx512_vnni = a.avx512 && __builtin_cpu_supports("avx512vnni");
+#endif
+    return a;
   }();
-  return allowed;
+  return answer;
 }
 
 }  // namespace tidal_cpu

@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include "claims.h"
+#include "isa.h"
 #include "ops.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -220,10 +221,7 @@ TIDAL_TARGET void run_groups(const Problem& p, int64_t begin, int64_t end, int64
   }
 }
 
-bool cpu_has_avx2_fma() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
+bool cpu_has_avx2_fma() { return isa().avx2_fma; }
 
 #else
 

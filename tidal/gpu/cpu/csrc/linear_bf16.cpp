@@ -193,11 +193,7 @@ TIDAL_TARGET void run_blocks(const Problem& p, int64_t begin, int64_t end, int64
   }
 }
 
-bool cpu_has_avx512_bf16() {
-  __builtin_cpu_init();
-  return avx512_allowed() && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
-}
+bool cpu_has_avx512_bf16() { return isa().avx512_bf16; }
 
 #else
 

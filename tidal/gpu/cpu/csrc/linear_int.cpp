@@ -18,7 +18,7 @@
 //
 // The same loops (linear_int_tile.h) are compiled for AVX-512 (one zmm per block) and for AVX2+FMA (two ymm),
 // each under its own target attribute whatever the build's flags; which runs is decided once from the CPU
-// (__builtin_cpu_supports), so a build on one host runs the fast path of whichever CPU loads it.
+// (isa.h), so a build on one host runs the fast path of whichever CPU loads it.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -212,20 +212,10 @@ TIDAL_TARGET void run(const Problem& p, int64_t begin, int64_t end) {
 }  // namespace avx512bf16
 
 // The instruction set the kernel runs with on this CPU: "avx512", "avx2", or "" (none: unsupported).
-const char* cpu_isa() {
-  __builtin_cpu_init();
-  if (avx512_allowed() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl"))
-    return "avx512";
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
-  return "";
-}
+const char* cpu_isa() { return isa().avx512 ? "avx512" : isa().avx2_fma ? "avx2" : ""; }
 
 // Whether int4 weights against bf16 rows run on the bf16 dot products (avx512bf16 above).
-bool bf16_dots() {
-  __builtin_cpu_init();
-  return std::string(cpu_isa()) == "avx512" && __builtin_cpu_supports("avx512bf16");
-}
+bool bf16_dots() { return isa().avx512_bf16; }
 
 #else
 

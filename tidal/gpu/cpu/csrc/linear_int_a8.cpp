@@ -160,24 +160,14 @@ TIDAL_TARGET inline __m256i dot2(__m256i acc, __m256i u, __m256i s, __m256i v, _
 
 // Whether this CPU runs the vnni tiles, decided once (TIDAL_CPU_ISA=avx2 keeps the AVX2 ones: tests compare them).
 bool vnni_tiles() {
-  static const bool vnni = [] {
-    __builtin_cpu_init();
-    return avx512_allowed() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f");
-  }();
-  return vnni;
+  return isa().avx512_vnni;
 }
 #endif
 
 }  // namespace
 
 bool linear_int_a8_supported() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
+  return isa().avx2_fma;
 }
 
 // The tiles this CPU runs: "avx512_vnni", "avx2", or "" (none: unsupported).

@@ -280,11 +280,7 @@ TIDAL_TARGET void attend(const Task& t, const Task* next, const uint16_t* query,
     finish_head<V>(scratch.acc.data() + h * 2 * V * 16, scratch.inv_sums[h], out + h * t.dim);
 }
 
-bool cpu_has_avx512_bf16() {
-  __builtin_cpu_init();
-  return avx512_allowed() && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
+bool cpu_has_avx512_bf16() { return isa().avx512_bf16; }
 
 #endif  // TIDAL_AVX512_BF16
 
