@@ -4,10 +4,11 @@ Each choice is its own engine request (its own mailbox, finish_reason and random
 engine forks choices 1..n-1 off choice 0's prefilled prompt). Every choice is read as its output
 comes, never one after another: a choice still queued (``--max-num-seqs`` below n) or one longer
 than the others must not leave the rest unread, or their stall timer ends them as slow clients.
-Without stream, each choice is collected by its own task. A stream interleaves the choices'
-frames, each chunk with its ``index`` (OpenAI clients assemble choices by index): it serves the
-choices round-robin, taking the next one that has output waiting, and when none has, waits for
-whichever has output first. Usage counts the prompt once and sums the completions.
+Without stream, each choice is collected by its own task. A stream is the one ``EventStream``
+(tidal/service/stream.py) over ``ChoicesReader``, which reads the choices as one source of deltas
+(round-robin, the next one with output waiting; when none has, whichever has output first), and
+``ChoicesRenderer``, which puts each delta in its choice's chunk (with its ``index``: OpenAI clients
+assemble choices by index). Usage counts the prompt once and sums the completions.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 import trio
 
 from tidal.errors import ApiError
-from tidal.openai.encoding import SSE_DONE, ChatRenderer, ChunkEncoder, sse, usage
+from tidal.openai.encoding import ChatRenderer, ChunkEncoder, usage
+from tidal.registry.lifecycle import ActiveRequest
 from tidal.registry.mailbox import Mailbox
 from tidal.service.reader import OutputReader, collect
 from tidal.service.stream import EventStream, Writer
@@ -53,39 +55,57 @@ async def collect_choices(readers: list[OutputReader], encoders: list[ChunkEncod
     return whole
 
 
-class ChoicesSseBody:
-    """The SSE body of n choices: each choice's frames in turn, then one usage chunk and [DONE]."""
+class ChoicesReader:
+    """The n choices' readers read as one source of deltas for the one ``EventStream``.
 
-    def __init__(self, readers: list[OutputReader], encoders: list[ChunkEncoder], include_usage: bool,
-                 writer: Writer | None = None):
+    Each delta is one choice's (``current``): the choices are served round-robin, the next one with
+    output waiting, and when none has, it waits for whichever has output first. It is done when
+    every choice is, or at the first error (the response then ends with that error).
+    """
+
+    plain = False  # every frame names its choice: no direct sends of bare text
+
+    def __init__(self, readers: list[OutputReader]):
         self.readers = readers
-        self.encoders = encoders
-        self.include_usage = include_usage
-        # one event stream per choice, without its own usage (this body's [DONE] is the last)
-        self.bodies = [EventStream(r, ChatRenderer(e, False)) for r, e in zip(readers, encoders)]
-        self.writer = writer
+        # the choice whose delta was read last, and its index (at first the last one, so that
+        # round-robin starts at choice 0)
+        self.index = len(readers) - 1
+        self.current = readers[self.index]
         self.open = list(range(len(readers)))  # choices not finished yet
-        self.last = -1  # the choice served last
-        self.finished = False
+        self.error: ApiError | None = None
 
-    def __aiter__(self) -> "ChoicesSseBody":
-        return self
+    @property
+    def request(self) -> ActiveRequest:
+        """The current choice's request: the frame of its delta is stamped on its timeline."""
+        return self.current.request
 
-    async def __anext__(self) -> bytes:
-        if self.finished:
-            raise StopAsyncIteration
-        frame = await self._next_frame()
-        writer = self.writer
-        while writer is not None and not self.finished:
-            if not await writer.write(frame):
-                self.writer = None
-                return frame
-            frame = await self._next_frame()
-        return frame
+    @property
+    def done(self) -> bool:
+        return not self.open or self.error is not None
+
+    async def next_delta(self) -> str:
+        """The next delta of the choice served next (``current``). Raises the ApiError that ended it."""
+        index = self._pick()
+        while index is None:
+            await self._wait_for_output()
+            index = self._pick()
+        self.index = index
+        self.current = self.readers[index]
+        try:
+            text = await self.current.next_delta()
+        except ApiError as error:
+            self.error = error
+            raise
+        if self.current.done:
+            self.open.remove(index)
+        return text
+
+    def usage(self) -> dict[str, Any]:
+        return _usage(self.readers)
 
     def _pick(self) -> int | None:
-        """The next choice to serve: round-robin after the last one, the first with output waiting."""
-        order = sorted(self.open, key=lambda i: (i <= self.last, i))
+        """Round-robin after the choice served last: the first with output waiting."""
+        order = sorted(self.open, key=lambda i: (i <= self.index, i))
         return next((i for i in order if self.readers[i].has_output), None)
 
     async def _wait_for_output(self) -> None:
@@ -99,24 +119,21 @@ class ChoicesSseBody:
         await mailbox.wait()
         scope.cancel()
 
-    async def _next_frame(self) -> bytes:
-        index = self._pick()
-        while index is None:
-            await self._wait_for_output()
-            index = self._pick()
-        self.last = index
-        body = self.bodies[index]
-        frame = await body.next_frame()
-        assert frame is not None  # an open choice has a frame to come: its last ends with [DONE]
-        if frame.endswith(SSE_DONE):
-            frame = frame[: -len(SSE_DONE)]
-            if body.reader.error is not None:  # a choice failed: the response ends with its error
-                self.finished = True
-                return frame + SSE_DONE
-            self.open.remove(index)
-            if not self.open:
-                self.finished = True
-                if self.include_usage:
-                    frame += sse(self.encoders[0].usage_json(_usage(self.readers)))
-                frame += SSE_DONE
-        return frame
+
+class ChoicesRenderer(ChatRenderer):
+    """n choices' chunks: each delta in its choice's chunk (with its ``index``), then the usage of
+    every choice (if asked) and [DONE] once, after the last; an error ends them all."""
+
+    def __init__(self, encoders: list[ChunkEncoder], include_usage: bool):
+        super().__init__(encoders[0], include_usage)
+        self.content_frame = None
+        self.choices = [ChatRenderer(encoder, False) for encoder in encoders]
+
+    def frames(self, reader: ChoicesReader, text: str) -> bytes:  # type: ignore[override]
+        return self.choices[reader.index].frames(reader.current, text)
+
+
+def stream_choices(readers: list[OutputReader], encoders: list[ChunkEncoder], include_usage: bool,
+                   writer: Writer | None = None) -> EventStream:
+    """The SSE body of n choices: the one event stream over the choices read as one."""
+    return EventStream(ChoicesReader(readers), ChoicesRenderer(encoders, include_usage), writer)  # type: ignore[arg-type]

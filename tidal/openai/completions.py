@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 from tidal.errors import ApiError
-from tidal.openai.choices import ChoicesSseBody, collect_choices
+from tidal.openai.choices import collect_choices, stream_choices
 from tidal.openai.encoding import ChatRenderer, ChunkEncoder
 from tidal.service.api import SSE_HEADERS, Answer, Api, answer, error_answer, guarded, json_answer
 from tidal.service.reader import OutputReader
@@ -49,6 +49,6 @@ class Completions:
         first = ChunkEncoder(self.kind, name)
         encoders = [first] + [ChunkEncoder(self.kind, name, i, first) for i in range(1, len(readers))]
         if stream:
-            return 200, SSE_HEADERS, ChoicesSseBody(readers, encoders, include_usage, writer)
+            return 200, SSE_HEADERS, stream_choices(readers, encoders, include_usage, writer)
         # an ApiError: the choices still running end with the handler's RequestScope
         return json_answer(await collect_choices(readers, encoders))

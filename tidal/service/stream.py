@@ -5,7 +5,8 @@ Messages (Anthropic's events) and a WebSocket request (chunk messages). What dif
 ``Renderer``: the frames an API sends before the first delta, for each delta, after the last, and
 for an error. The body owns the rest, once:
 
-- the loop over ``OutputReader.next_delta`` (a delta that says nothing sends nothing);
+- the loop over the reader's ``next_delta`` (a delta that says nothing sends nothing): a request's
+  ``OutputReader``, or the n choices of one read as one (``ChoicesReader``, tidal/openai/choices.py);
 - the error boundary: an ``ApiError`` that ends the request, or any unexpected exception, becomes
   the renderer's error frame, which ends the stream (never a dropped connection);
 - direct writes: once the headers are out, frames go straight to the socket through the ``Writer``
@@ -78,7 +79,6 @@ class EventStream:
         # one engine output is one frame, with nothing to hold back or accumulate
         self._direct = writer is not None and renderer.content_frame is not None and reader.plain
         self._unsent = b""  # the tail of a frame the socket did not take in ``_offer``
-        self._timeline = reader.request.timeline  # each delta's frame handed on is stamped on it
         self._opened = False
         self._closing_due = False  # the closing frames come next, as their own item (separate_closing)
         self._over = False  # every frame has been made
@@ -95,7 +95,7 @@ class EventStream:
             if self._unsent:
                 tail, self._unsent = self._unsent, b""
                 await self.writer.write_framed(tail)
-                self._timeline.wrote(time.monotonic())
+                reader.request.timeline.wrote(time.monotonic())
             elif self._direct and self._opened and not self._over and reader.caught_up and self.writer.ready():
                 mailbox = reader.request.mailbox
                 mailbox.direct = self._offer
@@ -119,8 +119,8 @@ class EventStream:
         return frame
 
     def _wrote(self) -> None:
-        if self._stamp:
-            self._timeline.wrote(time.monotonic())
+        if self._stamp:  # on the timeline of the request whose delta it carries
+            self.reader.request.timeline.wrote(time.monotonic())
 
     def _offer(self, output: RequestOutput) -> bool:
         """Send a non-final output's frame now, from the reader task; False: let this task do it."""
@@ -137,7 +137,7 @@ class EventStream:
             if tail is None:
                 return False
             if not tail:
-                self._timeline.wrote(time.monotonic())
+                reader.request.timeline.wrote(time.monotonic())
             else:  # the socket is full: this task sends the rest, then waits for the client
                 self._unsent = tail
                 mailbox = reader.request.mailbox
