@@ -190,14 +190,23 @@ def test_no_import_cycles_anywhere_in_tidal():
     assert find_cycle(import_graph()) is None
 
 
+# the modules directly in tidal/ that every layer may import; the rest of tidal/'s own modules
+# (the server, the CLI) are the top floor
+TOP_FLOOR = ("tidal.server", "tidal.cli", "tidal.__main__")
+
+
 def test_the_frontend_layers_point_down():
-    """The transport hands the service its socket writer (only http/ and the server import http/),
-    the service knows no API but the chat shape it reads bodies into, and Anthropic's API borrows
-    nothing from OpenAI's: what they share is in tidal/service/."""
+    """The ground floor (tidal/'s own modules: errors, wire, config, tokenizer, ...) imports nothing
+    but itself; the transport hands the service its socket writer (only http/ and the server import
+    http/), the service knows no API but the chat shape it reads bodies into, the registry and
+    observation know no service, and Anthropic's API borrows nothing from OpenAI's: what they share
+    is in tidal/service/."""
     violations = []
     for path in sorted(PACKAGE.rglob("*.py")):
         name = module_name(path)
         names = modules_of(path)
+        if path.parent == PACKAGE and not within(name, *TOP_FLOOR):
+            violations += [f"{name} -> {n}" for n in sorted(names) if within(n, "tidal") and not on_ground_floor(n)]
         if not within(name, "tidal.http", "tidal.server"):
             violations += [f"{name} -> {n}" for n in sorted(names) if within(n, "tidal.http")]
         if within(name, "tidal.anthropic"):
@@ -207,4 +216,15 @@ def test_the_frontend_layers_point_down():
             violations += [f"{name} -> {n}" for n in sorted(names)
                            if within(n, "tidal.openai", "tidal.anthropic", "tidal.http", "tidal.server")
                            and not within(n, *allowed) and n != "tidal.openai"]
+        if within(name, "tidal.registry", "tidal.observe"):
+            violations += [f"{name} -> {n}" for n in sorted(names) if within(n, "tidal.service")]
     assert violations == []
+
+
+def on_ground_floor(name: str) -> bool:
+    """``name`` (a module, or a name in one) is tidal/'s own module other than the top floor's, or tidal itself."""
+    parts = name.split(".")
+    if len(parts) == 1:
+        return True
+    module = ".".join(parts[:2])
+    return (PACKAGE / f"{parts[1]}.py").is_file() and not within(module, *TOP_FLOOR)

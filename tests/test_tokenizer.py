@@ -15,8 +15,7 @@ import trio.testing
 import tidal
 from tidal import tokenizer as tokenizer_module
 from tidal.errors import ApiError
-from tidal.service.body_cost import rendered_size
-from tidal.tokenizer import INLINE_MAX_CHARS, MAX_WAITING_PER_WORKER, TOKENIZER_QUEUE_FULL, PromptTokenizer
+from tidal.tokenizer import INLINE_MAX_CHARS, MAX_WAITING_PER_WORKER, TOKENIZER_QUEUE_FULL, PromptTokenizer, rendered_size
 
 ASSETS = os.path.join(os.path.dirname(tidal.__file__), "assets", "tidal-tiny")
 
@@ -166,3 +165,11 @@ async def test_a_long_prompt_over_the_context_is_refused_by_its_head(monkeypatch
     assert await tokenizer.encode_text(fits) == tokenizer.tokenizer.encode(fits)
     assert lengths == [tokenizer_module.HEAD_CHARS_PER_TOKEN * 4096, len(fits)]
 
+
+def test_the_inline_template_decision_counts_every_string_it_renders():
+    short = [{"role": "user", "content": "Hi"}]
+    calls = [*short, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": {"text": "x" * INLINE_MAX_CHARS}}}]}]
+    assert rendered_size((short, {}), INLINE_MAX_CHARS) <= INLINE_MAX_CHARS
+    assert rendered_size((calls, {}), INLINE_MAX_CHARS) > INLINE_MAX_CHARS  # content alone: 2
+    assert rendered_size((short, {"x": ["a"] * INLINE_MAX_CHARS}), INLINE_MAX_CHARS) > INLINE_MAX_CHARS

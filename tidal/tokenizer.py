@@ -28,7 +28,6 @@ from typing import Any
 import trio
 
 from tidal.errors import ApiError, bad_request, context_too_long
-from tidal.service.body_cost import rendered_size
 
 log = logging.getLogger("tidal.tokenizer")
 
@@ -44,6 +43,24 @@ TOKENIZER_QUEUE_FULL = "The tokenizer queue is full."
 # context costs ~32k characters of tokenising, not 1M, and its neighbours keep the CPU.
 HEAD_CHARS_PER_TOKEN = 8
 HEAD_SLACK_TOKENS = 64
+
+
+def rendered_size(value: Any, limit: int) -> int:
+    """Characters a template could render from ``value``: each string's length, one for each entry of
+    a container and for any other value; counted only until past ``limit`` (work <= ``limit`` entries)."""
+    total = 0
+    stack = [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, (dict, list, tuple)):
+            total += len(item)
+            if total <= limit:
+                stack.extend(item.values() if isinstance(item, dict) else item)
+        else:
+            total += 1
+    return total
 
 
 # Run in a child process: build the tokenizer exactly as AutoTokenizer does and save it as it was built.

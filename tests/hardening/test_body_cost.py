@@ -193,17 +193,6 @@ async def test_a_15_mib_websocket_message_of_small_values_is_an_error_frame_besi
     assert server.process.poll() is None
 
 
-def test_the_inline_template_decision_counts_every_string_it_renders():
-    from tidal.tokenizer import INLINE_MAX_CHARS
-
-    short = [{"role": "user", "content": "Hi"}]
-    calls = [*short, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "f", "arguments": {"text": "x" * INLINE_MAX_CHARS}}}]}]
-    assert body_cost.rendered_size((short, {}), INLINE_MAX_CHARS) <= INLINE_MAX_CHARS
-    assert body_cost.rendered_size((calls, {}), INLINE_MAX_CHARS) > INLINE_MAX_CHARS  # content alone: 2
-    assert body_cost.rendered_size((short, {"x": ["a"] * INLINE_MAX_CHARS}), INLINE_MAX_CHARS) > INLINE_MAX_CHARS
-
-
 def test_is_large_counts_a_decoded_bodys_values_only_up_to_the_bound():
     assert not body_cost.is_large({"messages": HELLO})
     assert body_cost.is_large({"x": list(range(10**6))})

@@ -18,13 +18,14 @@ import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import trio
 
 from tidal.errors import NESTED_TOO_DEEPLY, ApiError, bad_request
 from tidal.service.json_depth import MAX_DEPTH
+from tidal.tokenizer import rendered_size
 
 T = TypeVar("T")
 
@@ -90,7 +91,7 @@ def check(body: bytes) -> None:
 def is_large(body: bytes | str | dict) -> bool:
     """Whether work over ``body`` (JSON text, or a body a WebSocket message carried, decoded) belongs
     off the event loop."""
-    if isinstance(body, dict):
+    if isinstance(body, dict):  # the tokenizer's measure: what a template could render of it
         return rendered_size(body, OFF_LOOP_BYTES) > OFF_LOOP_BYTES
     return len(body) >= OFF_LOOP_BYTES
 
@@ -119,24 +120,6 @@ async def run(fn: Callable[..., T], *args) -> T:
 def _gc_paused_call(fn: Callable[..., T], *args) -> T:
     with gc_paused():
         return fn(*args)
-
-
-def rendered_size(value: Any, limit: int) -> int:
-    """Characters a template could render from ``value``: each string's length, one for each entry of
-    a container and for any other value; counted only until past ``limit`` (work <= ``limit`` entries)."""
-    total = 0
-    stack = [value]
-    while stack and total <= limit:
-        item = stack.pop()
-        if isinstance(item, str):
-            total += len(item)
-        elif isinstance(item, (dict, list, tuple)):
-            total += len(item)
-            if total <= limit:
-                stack.extend(item.values() if isinstance(item, dict) else item)
-        else:
-            total += 1
-    return total
 
 
 _gc_lock = threading.Lock()
