@@ -3,9 +3,11 @@ engine's step loop on an input-grounded prompt set (repeat or edit a given text,
 document), at a given concurrency, with the acceptance rate.
 
     python benchmarks/speculative.py --model /path/to/SmolLM2-135M-Instruct --concurrency 1 --rounds 3
+    python benchmarks/speculative.py --model /path/to/SmolLM2-135M-Instruct.Q4_1.gguf --concurrency 16
 
 Each round runs the whole prompt set (cycled up to --concurrency requests at once) without and then with
-speculation, on two engines loaded once; rounds alternate so a loaded host's drift hits both sides alike.
+speculation, on two engines loaded once; the order of the two sides alternates between rounds (off first,
+then on first) so a loaded host's drift hits both sides alike.
 Greedy decoding: the two sides produce the same tokens (checked), so the ratio is the speed-up alone.
 Besides wall-clock tokens per second it prints this process's CPU time per token (all its threads):
 on a host shared with other work, the steadier of the two.
@@ -17,6 +19,7 @@ import argparse
 import statistics
 import time
 
+from tidal.gguf_model import prepare
 from tidal.gpu.engine import Engine
 from tidal.wire import AddRequest, EngineConfig, SamplingParams, SpeculativeConfig
 
@@ -73,6 +76,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
+    if args.model.endswith(".gguf"):  # the directory ``tidal serve --model FILE.gguf`` prepares from it
+        args.model = prepare(args.model)
     base = EngineConfig(model=args.model, dtype=args.dtype, num_kv_blocks=2048, max_num_seqs=max(16, args.concurrency))
     fields = {name: getattr(base, name) for name in base.__struct_fields__}
     spec = SpeculativeConfig("ngram", args.k, 2, 5)
@@ -82,14 +87,21 @@ def main() -> None:
     batches = [[p] for p in prompts] if args.concurrency == 1 else \
         [[prompts[i % len(prompts)] for i in range(args.concurrency)]]
     ratios, next_id = [], 1
+    for engine in (off, on):  # untimed: the first steps of an engine pay for warming its kernels and caches
+        run(engine, batches[0], 8, next_id)
+        next_id += 100_000
     for round_index in range(args.rounds):
         before = on.stats()
         t_off = cpu_off = n_off = t_on = cpu_on = n_on = 0.0
-        for batch in batches:  # off, then on, per task: alternating within the round
-            t, cpu, n, out_off = run(off, batch, args.max_tokens, next_id)
+        for batch in batches:  # both sides per task, off first in odd rounds and on first in even ones
+            if round_index % 2 == 0:
+                t, cpu, n, out_off = run(off, batch, args.max_tokens, next_id)
+                t2, cpu2, n2, out_on = run(on, batch, args.max_tokens, next_id + 10_000)
+            else:
+                t2, cpu2, n2, out_on = run(on, batch, args.max_tokens, next_id + 10_000)
+                t, cpu, n, out_off = run(off, batch, args.max_tokens, next_id)
             t_off, cpu_off, n_off = t_off + t, cpu_off + cpu, n_off + n
-            t, cpu, n, out_on = run(on, batch, args.max_tokens, next_id + 10_000)
-            t_on, cpu_on, n_on = t_on + t, cpu_on + cpu, n_on + n
+            t_on, cpu_on, n_on = t_on + t2, cpu_on + cpu2, n_on + n2
             next_id += 100_000
             assert out_on == out_off, "greedy output differs with speculation"
         after = on.stats()

@@ -239,7 +239,8 @@ class Scheduler:
             budget -= num_new
 
         # 3. speculative proposals for decodes, with what is left of the budget
-        if self.speculator is not None and budget > 0 and decodes:
+        # (a batch with no spare row skips it all: K = 0 costs nothing over no speculation)
+        if self.speculator is not None and decodes and self.speculator.spare_rows(len(decodes), budget) > 0:
             decodes, drafted = self._speculate(decodes, budget, batch)
             decodes_sampling = [seq for seq, _ in decodes if seq.num_computed_tokens + 1 == seq.num_tokens]
             decodes += drafted

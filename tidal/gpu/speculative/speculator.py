@@ -84,9 +84,14 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k
 
+    @staticmethod
+    def spare_rows(num_decodes: int, budget: int) -> int:
+        """Rows this step's pass can carry proposals in at no extra cost (0: the step runs as without)."""
+        return min(budget, MAX_VERIFY_ROWS - num_decodes, -num_decodes % ROW_TILE)
+
     def plan(self, decodes: list[Sequence], budget: int) -> list[tuple[Sequence, list[int]]]:
         """Proposals for some of this step's decodes (most urgent first), within ``budget`` tokens."""
-        spare = min(budget, MAX_VERIFY_ROWS - len(decodes), -len(decodes) % ROW_TILE)
+        spare = self.spare_rows(len(decodes), budget)
         planned = []
         for seq in decodes:
             if spare <= 0:
