@@ -173,3 +173,30 @@ def test_the_inline_template_decision_counts_every_string_it_renders():
     assert rendered_size((short, {}), INLINE_MAX_CHARS) <= INLINE_MAX_CHARS
     assert rendered_size((calls, {}), INLINE_MAX_CHARS) > INLINE_MAX_CHARS  # content alone: 2
     assert rendered_size((short, {"x": ["a"] * INLINE_MAX_CHARS}), INLINE_MAX_CHARS) > INLINE_MAX_CHARS
+
+async def test_the_tokenizer_loaded_during_the_engine_start_gets_the_engines_length_bound(tmp_path, monkeypatch):
+    loads = []
+    monkeypatch.setattr(tokenizer_module, "load_auto_tokenizer",
+                        lambda d, real=tokenizer_module.load_auto_tokenizer: loads.append(d) or real(d))
+    ahead = tokenizer_module.TokenizerAhead(ASSETS, workers=1)
+    await ahead.run()  # the server runs it beside the engine's start
+    tokenizer = await ahead.get(ASSETS, max_model_len=64)
+    assert loads == [ASSETS]  # loaded once, early: not again when the engine is ready
+    assert tokenizer.max_model_len == 64
+    with pytest.raises(ApiError) as refused:
+        await tokenizer.encode_text("x" * (tokenizer.max_prompt_chars + 1))
+    assert refused.value.status == 400 and "maximum context length is 64 tokens" in refused.value.message
+
+
+async def test_a_model_the_frontend_cannot_load_early_is_loaded_from_the_engines_directory(tmp_path):
+    # a name the engine resolves itself (the built-in model), and a directory whose early load fails
+    for early_name in ("tidal-tiny", str(tmp_path)):
+        ahead = tokenizer_module.TokenizerAhead(early_name, workers=1)
+        await ahead.run()
+        tokenizer = await ahead.get(ASSETS, max_model_len=128)
+        assert tokenizer.max_model_len == 128
+        assert await tokenizer.encode_text("hello") == tokenizer.tokenizer.encode("hello")
+    ahead = tokenizer_module.TokenizerAhead(str(tmp_path), workers=1)  # no tokenizer there, none elsewhere
+    await ahead.run()
+    with pytest.raises(Exception):
+        await ahead.get(str(tmp_path), max_model_len=128)  # the same error a start without the early load gave

@@ -48,7 +48,7 @@ from tidal.registry.adapters import AdapterRegistry
 from tidal.engines.router import Router
 from tidal.observe.server_state import ServerState
 from tidal import sampling_defaults
-from tidal.tokenizer import PromptTokenizer
+from tidal.tokenizer import TokenizerAhead
 from tidal.ui import register_state, register_ui
 
 log = logging.getLogger("tidal.server")
@@ -96,8 +96,10 @@ class Server:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
         async with trio.open_nursery() as nursery:
+            ahead = TokenizerAhead(cfg.engine.model, cfg.tokenizer_workers)
+            nursery.start_soon(ahead.run)
             ready = await nursery.start(self._run_engine)
-            tokenizer = await PromptTokenizer.load(ready.model, cfg.tokenizer_workers, ready.max_model_len)
+            tokenizer = await ahead.get(ready.model, ready.max_model_len)
             recorder = TraceRecorder(self.metrics, self._span_export())
             frontend = self.frontend = Frontend(cfg, self.engine, self.metrics,
                                                 ready.max_num_seqs * cfg.data_parallel_size, recorder)
