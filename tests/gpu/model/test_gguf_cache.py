@@ -47,9 +47,10 @@ def cache_files(model_dir: str) -> list[str]:
     return glob.glob(os.path.join(model_dir, "weights-*.safetensors"))
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_0"])
-def test_second_load_reads_the_cache_and_computes_exactly_the_same(tmp_path, monkeypatch, caplog, kind):
-    _, model_dir = prepared(tmp_path, make_hf_model("llama", tmp_path / "hf", seed=3, **SIZES), kind)
+@pytest.mark.parametrize("kind, arch", [("Q4_1", "llama"), ("Q8_0", "llama"), ("Q4_0", "llama"),
+                                        ("Q4_1", "qwen3")])  # qwen3: a tied head on the Q8_0 embedding's integers
+def test_second_load_reads_the_cache_and_computes_exactly_the_same(tmp_path, monkeypatch, caplog, kind, arch):
+    _, model_dir = prepared(tmp_path, make_hf_model(arch, tmp_path / "hf", seed=3, **SIZES), kind)
     first, config = load(model_dir)
     logits, tokens = outputs(first, config)
     assert len(set(tokens)) > 1 and len(cache_files(model_dir)) == 1
@@ -63,6 +64,8 @@ def test_second_load_reads_the_cache_and_computes_exactly_the_same(tmp_path, mon
         second, config = load(model_dir)
     assert "weights from the packed cache" in caplog.text
     assert quantized_weights_note(second) == note  # the ready line still says what the file held and how it runs
+    if arch == "qwen3":
+        assert second._packed_lm_head.int_packed.bits == 8
     again_logits, again_tokens = outputs(second, config)
     assert torch.equal(again_logits, logits) and again_tokens == tokens
 

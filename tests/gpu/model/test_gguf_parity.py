@@ -97,6 +97,17 @@ def test_q8_0_and_q4_0_files_run_natively_and_match_transformers(dense_dir, tmp_
         dense_dir("llama"), kind, embedding_type=kind)))
 
 
+@needs_kernel
+@pytest.mark.parametrize("kind, bits", [("Q8_0", 8), ("Q4_0", 4)])
+def test_a_tied_head_multiplies_the_files_quantized_embedding(dense_dir, tmp_path, kind, bits):
+    model, config = load(gguf_model_dir(tmp_path, dense_dir("qwen3"), "Q4_1", embedding_type=kind))
+    head = model._packed_lm_head.int_packed  # the embedding table itself stays dense for the lookup
+    assert isinstance(head, PackedInt) and (head.bits, head.group_size) == (bits, 32)
+    assert f"{kind} x1 dequantized embedding, native int{bits} group 32 head" in quantized_weights_note(model)
+    assert_matches_transformers(model, config, reference_dir(tmp_path, dense_dir("qwen3"), reference_state_dict(
+        dense_dir("qwen3"), "Q4_1", embedding_type=kind)))
+
+
 @pytest.mark.parametrize("kind", ["F16", "BF16", "Q5_0", "Q5_1"])
 def test_dense_and_dequantized_types_match_transformers(dense_dir, tmp_path, kind):
     model, config = load(gguf_model_dir(tmp_path, dense_dir("qwen3"), kind))

@@ -63,22 +63,27 @@ def cache_path(model_dir: str, gguf_path: str, dtype: torch.dtype) -> str:
     return os.path.join(model_dir, f"weights-{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors")
 
 
-def dense_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """(every parameter that stays dense, the Linears given integers), taken before packing drops the plain
-    copies of the dense linears."""
+HEAD_PARTS = ("q", "scales", "zero_points", "mins")
+
+
+def dense_state(model: torch.nn.Module, tied_head: quantization.QuantizedWeight | None = None) -> tuple:
+    """(every parameter that stays dense, the Linears given integers, the tied head's integers), taken before
+    packing drops the plain copies of the dense linears."""
     native = [name for name, m in model.named_modules() if isinstance(m, Linear) and m.quantized is not None]
     replaced = {f"{name}.weight" for name in native}
-    return {name: p.detach() for name, p in model.named_parameters() if name not in replaced}, native
+    return {name: p.detach() for name, p in model.named_parameters() if name not in replaced}, native, tied_head
 
 
-def write(path: str, state: tuple[dict[str, torch.Tensor], list[str]], model: torch.nn.Module) -> None:
+def write(path: str, state: tuple, model: torch.nn.Module) -> None:
     """Save ``state`` (``dense_state``) with those Linears' packed integers to ``path`` (atomically; other keys'
     files in the directory are removed: they belong to an older file or build). A failure only logs."""
     from safetensors.torch import save_file
 
     started = time.monotonic()
-    dense, native = state
+    dense, native, head = state
     tensors = {f"dense.{name}": t.contiguous() for name, t in dense.items()}
+    if head is not None:  # as integers: packing it for the kernel is a transpose
+        tensors.update({f"head.{part}": getattr(head, part) for part in HEAD_PARTS if getattr(head, part) is not None})
     layouts = {}
     modules = dict(model.named_modules())
     for name in native:
@@ -94,8 +99,9 @@ def write(path: str, state: tuple[dict[str, torch.Tensor], list[str]], model: to
         fd, partial = tempfile.mkstemp(dir=directory, prefix=".weights-", suffix=".partial")
         os.close(fd)
         try:
-            save_file(tensors, partial, metadata={"layouts": json.dumps(layouts),
-                                                  "note": getattr(model, "gguf_note", "") or ""})
+            save_file(tensors, partial, metadata={
+                "layouts": json.dumps(layouts), "note": getattr(model, "gguf_note", "") or "",
+                "head": json.dumps(None if head is None else [head.bits, head.group_size])})
             os.replace(partial, path)
         finally:
             if os.path.exists(partial):
@@ -110,23 +116,28 @@ def write(path: str, state: tuple[dict[str, torch.Tensor], list[str]], model: to
              os.path.getsize(path) / 1e6, time.monotonic() - started)
 
 
-def restore(path: str, model: torch.nn.Module, ops) -> bool:
+class Miss(Exception):
+    """No usable cache: the model is loaded from the file."""
+
+
+def restore(path: str, model: torch.nn.Module, ops) -> quantization.QuantizedWeight | None:
     """Fill ``model`` from the cache at ``path``: the dense parameters, and each native Linear's ``int_packed``
-    (``ops``: the int kernels). False, with ``model`` untouched, when there is no usable cache there."""
+    (``ops``: the int kernels); returns the tied head's integers, if the file had them. ``Miss``, with ``model``
+    untouched, when there is no usable cache there."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     if not os.path.isfile(path):
-        return False
+        raise Miss
     started = time.monotonic()
     try:
         with safe_open(path, framework="pt") as f:
             metadata = f.metadata() or {}
-        layouts = json.loads(metadata["layouts"])
+        layouts, head_layout = json.loads(metadata["layouts"]), json.loads(metadata["head"])
         tensors = load_file(path)
     except Exception as exc:  # a truncated or foreign file: rebuilt from the GGUF
         log.warning("GGUF: ignoring the unreadable packed-weight cache %s (%s)", path, exc)
-        return False
+        raise Miss from None
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     dense = {name.removeprefix("dense."): t for name, t in tensors.items() if name.startswith("dense.")}
@@ -134,7 +145,7 @@ def restore(path: str, model: torch.nn.Module, ops) -> bool:
     if (any(not isinstance(modules.get(name), Linear) for name in layouts) or set(dense) != set(params) - replaced
             or any(tuple(params[name].shape) != tuple(t.shape) for name, t in dense.items())):
         log.warning("GGUF: the packed-weight cache %s does not fit this model: rebuilding it", path)
-        return False
+        raise Miss
     with torch.no_grad():
         for name, tensor in dense.items():
             params[name].copy_(tensor)
@@ -147,4 +158,8 @@ def restore(path: str, model: torch.nn.Module, ops) -> bool:
     model.gguf_note = metadata.get("note") or None
     log.info("GGUF: weights from the packed cache %s (%.1f s; the file itself is not read)", path,
              time.monotonic() - started)
-    return True
+    if head_layout is None:
+        return None
+    parts = {part: tensors.get(f"head.{part}") for part in HEAD_PARTS}
+    return quantization.QuantizedWeight(parts["q"], parts["scales"], parts["zero_points"], *head_layout,
+                                        mins=parts["mins"])

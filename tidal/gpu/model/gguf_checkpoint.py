@@ -107,6 +107,7 @@ class GgufCheckpoint:
         self.reader = gguf.GGUFReader(path)  # memory-mapped: nothing is read until a tensor is used
         self.native = False  # set by the loader: Q8_0 / Q4_0 / Q4_1 stay integers (a CPU with the int kernels)
         self.kept: dict[str, QuantizedWeight] = {}  # Hugging Face module name -> its integers
+        self.tied_head: QuantizedWeight | None = None  # a quantized embedding's integers, for the tied LM head
         self.loaded: Counter[tuple[str, str]] = Counter()  # (type, how it loaded) -> tensors, for ``describe``
         self._check()
 
@@ -139,7 +140,8 @@ class GgufCheckpoint:
 
     def describe(self) -> str:
         """For the ready line: the file's types and how each loaded, e.g. "GGUF Q4_1 x210 native int4 group 32 +
-        min, F32 x61 dense, Q8_0 x1 dequantized" (an embedding is always dequantized)."""
+        min, F32 x61 dense, Q8_0 x1 dequantized embedding, native int8 group 32 head" (an embedding is always
+        dequantized; a tied head of a native type multiplies the integers)."""
         return "GGUF " + ", ".join(f"{kind} x{n} {how}" for (kind, how), n in self.loaded.most_common())
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -155,7 +157,13 @@ class GgufCheckpoint:
             is_linear = name.endswith(".weight") and len(shape) == 2 and name != "token_embd.weight"
             permute = self.config.architecture in PERMUTED and name.rsplit(".", 2)[-2] in ("attn_q", "attn_k")
             heads = self.config.num_heads if ".attn_q." in name else self.config.num_kv_heads
-            if kind in NATIVE and self.native and is_linear:
+            if kind in NATIVE and self.native and name == "token_embd.weight" and self.config.tie_word_embeddings:
+                # the lookup needs the table dense; the tied head multiplies the file's own integers (llama.cpp's
+                # files keep it Q8_0: half the bytes a step reads of a bf16 copy, and its exact values)
+                self.tied_head = unpack(kind, np.asarray(tensor.data), shape)
+                dense = self.tied_head.dequantize()
+                self.loaded[kind, f"dequantized embedding, native int{self.tied_head.bits} group {GROUP} head"] += 1
+            elif kind in NATIVE and self.native and is_linear:
                 weight = unpack(kind, np.asarray(tensor.data), shape)
                 if permute:
                     weight = weight[unpermute_rows(shape[0], heads)]

@@ -157,12 +157,16 @@ class Linear(nn.Module):
 
     @classmethod
     def packed_from(cls, weight: torch.Tensor, weight_dtype: torch.dtype | None = None,
-                    scheme: quantization.Scheme | None = None) -> Linear:
+                    scheme: quantization.Scheme | None = None,
+                    quantized: quantization.QuantizedWeight | None = None) -> Linear:
         """A packed, bias-free Linear over a copy of ``weight`` [out, in] (a tied LM head), quantized to ``scheme``
-        if given."""
+        if given, or holding ``quantized`` (the same values as integers: a GGUF's Q8_0 embedding) if given."""
         linear = cls(weight.shape[1], weight.shape[0], False, weight.dtype, weight.device)
-        with torch.no_grad():
-            linear.weight.copy_(weight)
+        if quantized is not None:
+            linear.quantized = quantized
+        else:
+            with torch.no_grad():
+                linear.weight.copy_(weight)
         if scheme is not None:
             linear.quantized = linear.quantize(scheme)
         linear.pack(weight_dtype)

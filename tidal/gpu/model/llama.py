@@ -26,7 +26,7 @@ from tidal.gpu.forward_batch import ForwardBatch
 from tidal.gpu.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, place_kernel_weights
 from tidal.gpu.model.config import ModelConfig
 from tidal.gpu.model.lora import add_lora
-from tidal.gpu.model.quantization import PackedInt, Scheme
+from tidal.gpu.model.quantization import PackedInt, QuantizedWeight, Scheme
 from tidal.gpu.parallel.layers import ParallelGatedMLP, VocabParallelLMHead, VocabShard, attention_projections, head_shard, vocab_parallel_embedding
 
 
@@ -237,11 +237,13 @@ class LlamaForCausalLM(nn.Module):
             return logits
         return self.tp.gather_vocab(logits, self.config.vocab_size)
 
-    def pack_weights(self, weight_dtype: torch.dtype | None = None, lm_head_scheme: Scheme | None = None) -> None:
+    def pack_weights(self, weight_dtype: torch.dtype | None = None, lm_head_scheme: Scheme | None = None,
+                     tied_head: QuantizedWeight | None = None) -> None:
         """Pack every matmul weight once, after loading (``Linear.pack``: the AVX512-BF16 kernel's layout
         where the CPU has it, else oneDNN's; a float32 model with ``weight_dtype=torch.bfloat16``: the
         AVX2 kernel's bf16 layout). ``lm_head_scheme``: the scheme the LM head is rounded to
-        (w8a8/w4a8), or None to keep it dense."""
+        (w8a8/w4a8), or None to keep it dense. ``tied_head``: the tied embedding's own integers (a GGUF's
+        Q8_0 table), which the head multiplies on the int kernel instead of a dense copy."""
         if lm_head_scheme is not None and not self.config.tie_word_embeddings:
             self.lm_head.quantized = self.lm_head.quantize(lm_head_scheme)
         for module in self.modules():
@@ -251,7 +253,8 @@ class LlamaForCausalLM(nn.Module):
             self._packed_lm_head = None  # a GPU multiplies the plain table: no copy
         elif self.config.tie_word_embeddings:
             # the embedding lookup still needs the plain table: the head gets its own packed copy
-            self._packed_lm_head = Linear.packed_from(self.model.embed_tokens, weight_dtype, lm_head_scheme)
+            self._packed_lm_head = Linear.packed_from(self.model.embed_tokens, weight_dtype, lm_head_scheme,
+                                                      tied_head)
         else:
             self._packed_lm_head = self.lm_head
         place_kernel_weights([m for m in self.modules() if isinstance(m, Linear)])

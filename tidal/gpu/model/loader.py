@@ -69,15 +69,21 @@ def load_model(
     if checkpoint is not None and tp is None and quantized_linear.fp8_runs_on(device):
         checkpoint.keep_fp8 = True  # FP8 weights stay FP8 on a GPU that multiplies them
     model = model_class(config)(config, attention, dtype=dtype, device=device, tp=tp)
-    gguf = gguf_state = None
+    gguf = gguf_state = tied_head = None
+    restored = False
     # Q8_0 / Q4_0 / Q4_1 stay integers on the C++ kernel only (Q4_1's minimum); their packed form is cached on disk
     native = gguf_path is not None and quantized_linear.int_kernel(device) == "cpu"
     cached = gguf_cache.cache_path(model_dir, gguf_path, dtype) if native and gguf_cache.enabled() else None
-    if tiny_model.has_generated_weights(model_dir, config):
+    if cached is not None:
+        try:
+            tied_head, restored = gguf_cache.restore(cached, model, quantization.int_linear_ops(device)), True
+        except gguf_cache.Miss:
+            pass
+    if restored:
+        pass  # the file was read, checked and packed by an earlier start
+    elif tiny_model.has_generated_weights(model_dir, config):
         weights = tiny_model.generate_weights(config, tiny_model.special_token_ids(model_dir), config.init_seed)
         model.load_weights(weights.items())
-    elif cached is not None and gguf_cache.restore(cached, model, quantization.int_linear_ops(device)):
-        pass  # the file was read, checked and packed by an earlier start
     elif gguf_path is not None:
         gguf = gguf_checkpoint.GgufCheckpoint(gguf_path, config)
         gguf.native = native
@@ -102,12 +108,13 @@ def load_model(
         gguf.attach(dict(model.named_modules()))
         model.gguf_note = gguf.describe()
         # what a dense file's cache would save is small against its size on disk: cached when something was repacked
-        gguf_state = gguf_cache.dense_state(model) if cached is not None and gguf.kept else None
+        tied_head = gguf.tied_head
+        gguf_state = gguf_cache.dense_state(model, tied_head) if cached is not None and gguf.kept else None
     if (any(linear.quantized is not None or linear.int_packed is not None for linear in decoder_linears)
             or lm_head_scheme is not None
             or packs_weights(dtype, device, linear_weights)):
         started = time.monotonic()
-        model.pack_weights(linear_weights if linear_weights != dtype else None, lm_head_scheme)
+        model.pack_weights(linear_weights if linear_weights != dtype else None, lm_head_scheme, tied_head)
         if gguf is not None:
             gguf_checkpoint.log.info("GGUF: linears packed for the kernels in %.1f s", time.monotonic() - started)
     if gguf_state is not None:
