@@ -22,6 +22,13 @@ def test_auto_reads_the_models_file_and_vllm_ignores_it(tmp_path):
     assert sampling_defaults.read(str(tmp_path / "none")) == {}  # auto without a file: OpenAI's defaults
 
 
+def test_a_default_a_request_could_not_set_is_ignored_and_named():
+    from tidal.openai.requests import within_request_bounds
+    kept, refused = within_request_bounds({"temperature": 0.7, "top_p": 5.0, "top_k": 50.0, "repetition_penalty": 0})
+    assert kept == {"temperature": 0.7, "top_k": 50}
+    assert [line.split(":", 1)[0] for line in refused] == ["top_p 5.0", "repetition_penalty 0"]
+
+
 def test_a_served_models_defaults_apply_to_requests_that_leave_them_unset(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
     with LiveServer("--model", "tidal-tiny", "--generation-config", str(tmp_path)) as server:

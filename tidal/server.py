@@ -48,6 +48,7 @@ from tidal.registry.adapters import AdapterRegistry
 from tidal.engines.router import Router
 from tidal.observe.server_state import ServerState
 from tidal import sampling_defaults
+from tidal.openai.requests import within_request_bounds
 from tidal.tokenizer import TokenizerAhead
 from tidal.ui import register_state, register_ui
 
@@ -103,7 +104,9 @@ class Server:
             recorder = TraceRecorder(self.metrics, self._span_export())
             frontend = self.frontend = Frontend(cfg, self.engine, self.metrics,
                                                 ready.max_num_seqs * cfg.data_parallel_size, recorder)
-            defaults = sampling_defaults.read(ready.model, cfg.generation_config)
+            defaults, refused = within_request_bounds(sampling_defaults.read(ready.model, cfg.generation_config))
+            for line in refused:
+                log.warning("generation_config.json: %s; ignored, as a request giving it would be refused", line)
             log.info("%s", sampling_defaults.describe(defaults, cfg.generation_config))
             api = Api(frontend, tokenizer, cfg.model_name, ready.max_model_len, ready.vocab_size,
                       cfg.tool_call_parser, cfg.reasoning_parser, self.adapters, ready.model, defaults)

@@ -444,6 +444,20 @@ def _forced_tool_call(use: ToolUse | None) -> StructuredOutput | None:
     return StructuredOutput("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
+def within_request_bounds(defaults: dict[str, float]) -> tuple[dict[str, float], list[str]]:
+    """The model's sampling defaults that a request could have set itself, and a line for each that it could not
+    (a generation_config.json's ``top_p`` of 5 would otherwise reach the sampler unchecked)."""
+    kept, refused = {}, []
+    for key, value in defaults.items():
+        try:
+            checked = msgspec.convert({"prompt": "", key: value}, CompletionRequest, strict=False)
+        except msgspec.ValidationError as error:
+            refused.append(f"{key} {value!r}: {error}")
+        else:
+            kept[key] = getattr(checked, key)
+    return kept, refused
+
+
 def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int,
              defaults: dict[str, float] | None = None) -> Validated:
     """Range checks shared by both endpoints. Prompt length is checked after tokenising. ``defaults``: the
@@ -466,7 +480,7 @@ def validate(request: ChatCompletionRequest | CompletionRequest, vocab_size: int
         max_tokens = r.max_completion_tokens
     temperature = defaults.get("temperature", 1.0) if r.temperature is None else r.temperature
     top_p = defaults.get("top_p", 1.0) if r.top_p is None else r.top_p
-    top_k = int(defaults["top_k"]) if r.top_k is None and "top_k" in defaults else r.top_k
+    top_k = defaults.get("top_k") if r.top_k is None else r.top_k
     if top_k is not None and top_k <= 0:
         top_k = None
     min_p = 0.0 if r.min_p is None else r.min_p
