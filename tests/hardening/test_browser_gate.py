@@ -15,6 +15,8 @@ import httpx
 import pytest
 from live_server import LiveServer
 
+from tidal.http.browser_gate import DRAIN_LIMIT
+
 from .clients import Http1Connection, assert_openai_error
 
 BODY = json.dumps({"prompt": "Hi", "max_tokens": 1}).encode()
@@ -48,7 +50,7 @@ def test_json_routes_require_a_json_content_type(server):
 def test_a_refused_small_body_keeps_its_connection_and_a_large_one_closes_it(server):
     """curl -d without -H is a common slip: its 415 leaves the keep-alive connection usable."""
     with Http1Connection(server.port) as conn:
-        for body in (b"", BODY):
+        for body in (b"", BODY, b" " * DRAIN_LIMIT):  # the last: a body at the drain limit, still read
             status, headers, answer = conn.request("POST", "/v1/completions", body, content_type=None)
             assert_openai_error(status, headers, answer, 415)
             assert conn.reusable

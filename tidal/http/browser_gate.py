@@ -28,7 +28,7 @@ from tidal.service.api import error_answer
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _PREFLIGHT_MAX_AGE = "600"
-_DRAIN_LIMIT = 64 * 1024  # a refused body read to keep its connection open
+DRAIN_LIMIT = 64 * 1024  # a refused body read to keep its connection open
 
 
 def is_loopback(bind_host: str) -> bool:
@@ -142,9 +142,9 @@ async def refuse(scope, receive, send, error: ApiError) -> None:
 
 async def _drained(receive) -> bool:
     """Read a refused request's body so the connection can serve the next request; False (the
-    connection should close) once more than ``_DRAIN_LIMIT`` bytes came without its end."""
+    connection should close) once more than ``DRAIN_LIMIT`` bytes came without its end."""
     read = 0
-    while read <= _DRAIN_LIMIT:
+    while read <= DRAIN_LIMIT:
         message = await receive()
         if message["type"] != "http.request":
             return False
