@@ -26,7 +26,9 @@ import time
 
 import torch
 
-from tidal.gpu.model import quantization
+import tidal
+from tidal.gpu.cpu import kernels
+from tidal.gpu.model import gguf_checkpoint, quantization
 from tidal.gpu.model.layers import Linear
 
 log = logging.getLogger("tidal.gguf")
@@ -40,8 +42,6 @@ def enabled() -> bool:
 
 @functools.cache
 def _code_hash() -> str:
-    from tidal.gpu.model import gguf_checkpoint
-
     digest = hashlib.sha256()
     for module in (gguf_checkpoint, quantization):
         with open(module.__file__, "rb") as f:
@@ -53,8 +53,6 @@ def _code_hash() -> str:
 
 def cache_path(model_dir: str, gguf_path: str, dtype: torch.dtype) -> str:
     """Where this file's packed weights for this build and ``dtype`` live (whether or not they exist yet)."""
-    import tidal
-    from tidal.gpu.cpu import kernels
 
     stat = os.stat(gguf_path)
     build = os.path.basename(kernels.cache_directory() or "no-kernels")
