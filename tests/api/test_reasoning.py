@@ -1,5 +1,5 @@
 """--reasoning-parser qwen3 on a live server: thinking goes to reasoning_content, the rest to
-content, streamed (tags cut across frames) and not; tool calls and constraints after thinking."""
+content, streamed (tags cut across frames when the client keeps up) and not; tool calls and constraints after thinking."""
 
 from __future__ import annotations
 
@@ -47,16 +47,16 @@ def test_thinking_is_split_out_streamed_and_not(client, seed):
     stream = client.chat.completions.create(model=SERVED_MODEL, messages=HELLO, max_tokens=60, temperature=1.0,
                                             stream=True, extra_body={**forced(THINK_THEN_ANSWER, seed),
                                                                      "stream_interval": 1})
-    streamed_reasoning, streamed_content, frames = [], [], 0
+    streamed_reasoning, streamed_content = [], []
     for chunk in stream:
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
-        frames += 1
         streamed_reasoning.append((delta.model_extra or {}).get("reasoning_content") or "")
         streamed_content.append(delta.content or "")
+    # how many frames the tokens come in depends on how fast this client reads them (a lagging
+    # reader gets several tokens per frame); every cut of the tags is in test_reasoning_split.py
     assert "".join(streamed_reasoning) == reasoning and "".join(streamed_content) == content
-    assert frames > 4  # many frames: the tags were cut across them and never leaked
 
 
 def test_without_thinking_everything_is_content(client):
