@@ -87,3 +87,20 @@ async def test_generation_longer_than_the_wait_is_not_cut_short(server):
     assert r.chunk_times[-1] - r.sent_at > MAX_QUEUE_WAIT
     assert rejected(await metrics_async(server), "queue_timeout") == before
     server.wait_idle()
+
+
+
+async def test_a_choice_queued_past_the_limit_ends_the_stream_with_the_timeout(server):
+    """n=2 on one engine slot: choice 1 waits while choice 0 generates (>= 2.5 s of steps), past the
+    limit. As without stream (a 503), it is refused: choice 0's tokens, then the timeout's error."""
+    before = rejected(await metrics_async(server), "queue_timeout")
+    async with async_client(server) as client:
+        with trio.fail_after(MAX_QUEUE_WAIT + 10):
+            r = await stream(client, completion_body(50, n=2))
+            plain = await stream(client, {**completion_body(50, n=2), "stream": False})
+    assert r.status == 200 and r.error == TIMEOUT and r.usage is None
+    assert r.chunks and {chunk["choices"][0]["index"] for chunk in r.chunks} == {0}
+    assert r.chunk_times[-1] - r.sent_at < MAX_QUEUE_WAIT + 2.0  # not after choice 0 ran to its end
+    assert plain.status == 503 and plain.error == TIMEOUT
+    assert rejected(await metrics_async(server), "queue_timeout") - before == 2
+    server.wait_idle()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import trio
+
 from tidal.errors import ApiError
 from tidal.openai.choices import stream_choices
 from tidal.openai.encoding import ChunkEncoder
@@ -91,3 +93,34 @@ async def test_an_unexpected_error_in_one_choice_is_an_error_chunk_not_a_dropped
     *chunks, error, done = events
     assert done == "[DONE]" and error["error"]["code"] == 500
     assert [c["choices"][0]["index"] for c in chunks] == [0]
+
+
+class ArrivesAfterThePick(Mailbox):
+    """A mailbox whose output comes just after the stream looked for output and saw none: put
+    before anyone parked on it, so the put wakes nobody."""
+
+    def __init__(self, late: RequestOutput):
+        super().__init__(1 << 20)
+        self.late: RequestOutput | None = late
+
+    @property
+    def idle(self) -> bool:
+        late, self.late = self.late, None
+        if late is not None:
+            self.put_nowait(late)
+            return True  # what the look saw, an instant before
+        return super().idle
+
+
+async def test_output_that_came_while_the_stream_began_to_wait_is_read():
+    readers, encoders = choices(2)
+    readers[0].request.mailbox.close(RequestOutput(1, [20], "c0b", finish_reason="length", num_cached_tokens=2))
+    readers[1].request.mailbox = ArrivesAfterThePick(RequestOutput(2, [21], "c1b", finish_reason="length",
+                                                                   num_cached_tokens=2))
+    with trio.fail_after(5):  # the last choice's end must not be waited for once it is there
+        events = await frames(stream_choices(readers, encoders, include_usage=False))
+    texts = {0: "", 1: ""}
+    for chunk in events[:-1]:
+        [choice] = chunk["choices"]
+        texts[choice["index"]] += choice["delta"].get("content") or ""
+    assert texts == {0: "c0ac0b", 1: "c1ac1b"} and events[-1] == "[DONE]"

@@ -104,19 +104,23 @@ class ChoicesReader:
         return _usage(self.readers)
 
     def _pick(self) -> int | None:
-        """Round-robin after the choice served last: the first with output waiting."""
+        """Round-robin after the choice served last: the first with output waiting, or still queued
+        past its wait (its read refuses it: ``--max-queue-wait`` holds for every choice)."""
+        now = trio.current_time()
         order = sorted(self.open, key=lambda i: (i <= self.index, i))
-        return next((i for i in order if self.readers[i].has_output), None)
+        return next((i for i in order if self.readers[i].has_output or self.readers[i].queue_deadline <= now), None)
 
     async def _wait_for_output(self) -> None:
-        """Park until any open choice has output (or its end) waiting."""
+        """Park until any open choice has output (or its end) waiting, or a queued one's wait is over."""
         async with trio.open_nursery() as nursery:
+            nursery.cancel_scope.deadline = min(self.readers[i].queue_deadline for i in self.open)
             for i in self.open:
                 nursery.start_soon(self._wait_for, self.readers[i].request.mailbox, nursery.cancel_scope)
 
     @staticmethod
     async def _wait_for(mailbox: Mailbox, scope: trio.CancelScope) -> None:
-        await mailbox.wait()
+        if mailbox.idle:  # output that came after the pick, before this task ran, woke nobody
+            await mailbox.wait()
         scope.cancel()
 
 

@@ -202,6 +202,14 @@ class Frontend:
             self.reject(victim, "preempted_by_priority", service_unavailable(EVICTED))
         return request
 
+    def queue_deadline(self, request: ActiveRequest) -> float:
+        """When a request still queued is refused for waiting too long (``--max-queue-wait``);
+        infinity once it is scheduled, or with no bound."""
+        wait = self.config.max_queue_wait
+        if wait is not None and request.state is RequestState.QUEUED:
+            return request.arrival_time + wait
+        return math.inf
+
     async def first_output(self, request: ActiveRequest) -> RequestOutput:
         """Wait until the engine produced the request's first output.
 
@@ -209,10 +217,8 @@ class Frontend:
         client, engine failure, shutdown). Cancellation leaves the request open; its scope
         closes it.
         """
-        wait = self.config.max_queue_wait
         with trio.CancelScope() as scope:
-            if wait is not None and request.state is RequestState.QUEUED:
-                scope.deadline = request.arrival_time + wait
+            scope.deadline = self.queue_deadline(request)
             request.queue_scope = scope
             try:
                 first = await request.mailbox.take()

@@ -10,6 +10,7 @@ is the renderer's.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 import trio
@@ -159,6 +160,11 @@ class OutputReader:
     def has_output(self) -> bool:
         """Output or the request's end is waiting to be read (reading it will not block)."""
         return self._first is not None or not self.request.mailbox.idle
+
+    @property
+    def queue_deadline(self) -> float:
+        """When its first read refuses the request for its wait in the queue (infinity once read)."""
+        return math.inf if self._started else self.frontend.queue_deadline(self.request)
 
     def take_reasoning(self) -> str | None:
         """The thinking read since the last call (None without a reasoning parser or nothing new)."""
