@@ -20,6 +20,8 @@ One library (ops under ``torch.ops.tidal_cpu``) from these sources:
   (``csrc/linear_int_tile.h``) compiled for AVX-512 and for AVX2 and chosen by the CPU at run time; with int8
   activations (w8a8, w4a8) ``csrc/linear_int_a8.cpp``: x quantized to int8 blocks, integer dot products
   (``csrc/linear_int_a8_tile.h``, on AVX512-VNNI's ``vpdpbusd`` where the CPU has it, else AVX2).
+* ``csrc/lora.cpp``: each row's own LoRA adapter product added to a linear's output (tidal/gpu/model/lora.py),
+  reading only the row's slot's A and B, where torch's small bf16 matmuls cost as much as the base linear.
 * ``csrc/decoder_stack.cpp``: a model's decoder layers as one call (``torch.classes.tidal_cpu.DecoderStack``)
   over the kernels above, for a forward whose every row attends on the paged kernel: at decode the
   Python layers' dispatch cost as much as a tenth of the step (tidal/gpu/model/llama.py says when it runs).
@@ -57,7 +59,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "paged_decode_bf16.cpp", _CSRC / "layer_ops.cpp",
             _CSRC / "linear_bf16.cpp", _CSRC / "linear_avx2.cpp", _CSRC / "linear_int.cpp", _CSRC / "linear_int_a8.cpp",
-            _CSRC / "sampling.cpp",
+            _CSRC / "sampling.cpp", _CSRC / "lora.cpp",
             _CSRC / "decoder_stack.cpp"]
 _HEADERS = [_CSRC / name for name in ("vec8.h", "linear_int_tile.h", "linear_int_a8_tile.h", "paged_decode_bf16.h",
                                         "claims.h", "isa.h", "ops.h")]

@@ -168,6 +168,8 @@ class LlamaForCausalLM(nn.Module):
         self._stack_dtype: torch.dtype | None = None
         self._stack_caches: tuple = (None, [], [])
         self._stack_has_head = False  # the stack also runs the LM head (an int8/int4 one): decode_logits
+        self._stack_lora = False  # the stack adds LoRA products (use_lora): adapter rows stay on it
+        self._no_lora_rows = torch.empty(0, dtype=torch.int32)  # the stack's lora_slots when no row has an adapter
         attn = self.model.layers[0].self_attn
         self._fused_sizes = {  # this rank's sizes of the parts of the fused tensors
             "qkv_proj": (attn.q_size, attn.kv_size, attn.kv_size),
@@ -211,7 +213,8 @@ class LlamaForCausalLM(nn.Module):
     def _stack_arguments(self, batch: ForwardBatch, kv_caches) -> tuple | None:
         """The one-call decoder stack's arguments for this batch, or None when it does not run it: there is a
         stack, its linears take this many rows, and every row attends on the C++ kernel."""
-        if self._decoder_stack is None or batch.lora is not None or (
+        lora = batch.lora
+        if self._decoder_stack is None or (lora is not None and not (self._stack_lora and lora.slots is not None)) or (
                 self._stack_max_rows is not None and batch.input_ids.shape[0] > self._stack_max_rows):
             return None
         rows = self._stack_attention.kernel_rows(batch, self._stack_dtype, kv_caches[0][0])
@@ -219,7 +222,20 @@ class LlamaForCausalLM(nn.Module):
             return None
         if self._stack_caches[0] is not kv_caches:
             self._stack_caches = (kv_caches, [k for k, _ in kv_caches], [v for _, v in kv_caches])
-        return (batch.input_ids, batch.positions, batch.slot_mapping, *rows, *self._stack_caches[1:])
+        return (batch.input_ids, batch.positions, batch.slot_mapping, *rows, *self._stack_caches[1:],
+                self._no_lora_rows if lora is None else lora.slots)
+
+    def use_lora(self, ranks: torch.Tensor, max_rank: int) -> None:
+        """Let the decoder stack run rows through LoRA adapters: every decoder Linear's ``lora`` (lora.LoraSlots,
+        which calls this once its weights exist) is handed to it, held, not copied."""
+        if self._decoder_stack is None:
+            return
+        tensors = []
+        for layer in self.model.layers:
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                tensors += [linear.lora.a, linear.lora.b]
+        self._decoder_stack.use_lora(tensors, ranks, max_rank)
+        self._stack_lora = True
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] of the rows of ``forward``'s output that sample (tensor-parallel:

@@ -8,10 +8,11 @@ An adapter is a directory with ``adapter_config.json`` and ``adapter_model.safet
 Mixed batches (``LoraSlots``): each fused Linear of a decoder layer (qkv_proj, o_proj, gate_up_proj,
 down_proj) carries one A and one B that hold every slot's adapter side by side. Slot s, part p (q/k/v of
 qkv_proj, gate/up of gate_up_proj) owns ranks ``[(s * parts + p) * R, ... + r)``: its A rows, and its B rows
-with non-zero columns only in that part's slice of the fused output. For the batch's rows x and their
-slots' one-hot mask, ``out += ((x @ A.T) * onehot) @ B`` is every row's own adapter in two matmuls, whatever
-the mix; the base weights are read once for all rows, and a base-model row's mask is zero. On a CUDA GPU
-with triton a kernel (tidal/kernels/lora.py) reads each row's own slot instead of masking every slot's product.
+with non-zero columns only in that part's slice of the fused output. The base weights are read once for all
+rows; each row then adds its own slot's ``B (A x)``, a base-model row (slot -1) nothing. A kernel reads only
+each row's own slot, its adapter's ranks and each part's columns: on a CPU csrc/lora.cpp (which the one-call
+decoder stack runs too), on a CUDA GPU with triton tidal/kernels/lora.py. Without either, the batch's rows x
+and their slots' one-hot mask give ``out += ((x @ A.T) * onehot) @ B``, every slot's product masked.
 """
 
 from __future__ import annotations
@@ -176,9 +177,9 @@ def _read_tensors(path: str, config: ModelConfig, rank: int, scale: float, refus
 
 @dataclass
 class LoraRows:
-    """Which slot each row of a forward pass runs through. On a CPU ``onehot`` [rows, slots, 1] (all zero for a
-    base-model row), in the activations' dtype, only the first ``num_slots`` slots taking part; on a CUDA GPU
-    with triton ``slots`` [rows] int32 (-1: the base model) for the kernel (tidal/kernels/lora.py)."""
+    """Which slot each row of a forward pass runs through: ``slots`` [rows] int32 (-1: the base model) for the
+    kernels (csrc/lora.cpp, tidal/kernels/lora.py); without one, ``onehot`` [rows, slots, 1] (all zero for a
+    base-model row), in the activations' dtype, only the first ``num_slots`` slots taking part."""
 
     onehot: torch.Tensor | None = None
     slots: torch.Tensor | None = None
@@ -191,7 +192,12 @@ class LoraRows:
 def add_lora(out: torch.Tensor, x: torch.Tensor, linear, rows: LoraRows) -> torch.Tensor:
     """``out`` (``linear(x)``) plus each row's adapter product, in place (``linear.lora``: ``LoraWeights``)."""
     weights = linear.lora
-    if rows.slots is not None:  # each row reads only its own slot (the Triton kernel)
+    if rows.slots is not None and out.device.type == "cpu":  # each row reads only its own slot (csrc/lora.cpp)
+        from tidal.gpu.cpu.kernels import load_cpu_ops
+
+        return load_cpu_ops().lora_add_(out, x.contiguous(), weights.a, weights.b, rows.slots, weights.ranks,
+                                        list(weights.part_sizes), weights.max_rank)
+    if rows.slots is not None:  # the same on CUDA (the Triton kernel)
         from tidal import kernels
 
         return kernels.lora_add(out, x.contiguous(), weights.a, weights.b, rows.slots, weights.slot_width)
@@ -210,6 +216,7 @@ class LoraWeights:
     parts: int
     part_sizes: tuple[int, ...]  # the fused output's slice of each part
     max_rank: int
+    ranks: torch.Tensor  # [slots] int32: each slot's adapter's rank (rows past it are zero), shared by all Linears
 
     @property
     def slot_width(self) -> int:
@@ -229,7 +236,8 @@ class LoraSlots:
         self._layers = model.model.layers
         self.dtype = model.model.embed_tokens.dtype
         self.device = model.model.embed_tokens.device
-        self._kernel = self.device.type == "cuda" and _has_triton()  # the gathered kernel, else the masked matmuls
+        self._kernel = _has_kernel(self.device)  # each row's own slot, else the masked matmuls
+        self.ranks = torch.zeros(num_slots, dtype=torch.int32)  # the CPU kernel's; read on the host only
         for layer in self._layers:
             attn = layer.self_attn
             sizes = {"qkv_proj": (attn.q_size, attn.kv_size, attn.kv_size), "o_proj": (attn.o_proj.out_features,),
@@ -241,7 +249,9 @@ class LoraSlots:
                     layer.mlp.intermediate_size if fused == "down_proj" else model.config.hidden_size)
                 linear.lora = LoraWeights(torch.zeros(width, in_features, dtype=self.dtype, device=self.device),
                                           torch.zeros(width, sum(sizes[fused]), dtype=self.dtype, device=self.device),
-                                          parts, sizes[fused], max_rank)
+                                          parts, sizes[fused], max_rank, self.ranks)
+        if self._kernel and self.device.type == "cpu" and hasattr(model, "use_lora"):
+            model.use_lora(self.ranks, max_rank)  # adapter rows stay on its one-call decoder stack
 
     @staticmethod
     def _linear(layer, fused: str):
@@ -280,9 +290,11 @@ class LoraSlots:
                 a, b = pair
                 weights.a[start:start + adapter.rank].copy_(a)
                 weights.b[start:start + adapter.rank, column:column + weights.part_sizes[part]].copy_(b.t())
+        self.ranks[slot] = adapter.rank
 
     def rows(self, slots_of_entries: list[tuple[int | None, int]], num_rows: int) -> LoraRows | None:
-        """The mask of a pass whose entries (slot or None, rows) come in row order; None when no row has an adapter."""
+        """Each row's slot (or the mask) of a pass whose entries (slot or None, rows) come in row order; None when no
+        row has an adapter."""
         used = [slot for slot, _ in slots_of_entries if slot is not None]
         if not used:
             return None
@@ -298,7 +310,12 @@ class LoraSlots:
         return LoraRows(onehot if self.device.type == "cpu" else onehot.to(self.device))
 
 
-def _has_triton() -> bool:
+def _has_kernel(device: torch.device) -> bool:
+    """Whether ``device`` runs the per-row kernel: the C++ CPU kernels, or triton on CUDA."""
+    if device.type == "cpu":
+        from tidal.gpu.cpu.kernels import load_cpu_ops
+
+        return load_cpu_ops() is not None
     from tidal import kernels
 
-    return kernels.HAS_TRITON
+    return device.type == "cuda" and kernels.HAS_TRITON

@@ -13,6 +13,8 @@
 // *_rows functions) with their outputs in buffers kept across forwards. A tensor op per kernel cost its
 // checks, an output tensor and a dispatch: at one row of the 4-layer "tiny" model, ~100 of a ~230 us
 // forward. The rotary angles are rotary_angles' (layer_ops.cpp), as RotaryEmbedding.cos_sin's on the CPU.
+// Rows through LoRA adapters stay here too: each linear adds its rows' adapter products (lora.cpp) after the base
+// product, as the Python layers' add_lora does, so a step with adapters costs the base step and those products.
 // Other devices and batches stay in Python.
 
 #include <ATen/ATen.h>
@@ -37,6 +39,7 @@ struct StackLinear {
   // int8/int4 weights, set by use_int_linears and checked once there (neither: packed is a bf16 layout)
   std::optional<A8Linear> a8;            // with int8 activations (linear_int_a8.cpp)
   std::optional<IntLinear> weight_only;  // on float or bf16 activations (linear_int.cpp)
+  std::optional<LoraLinear> lora;        // the LoRA slots' A and B (use_lora), or none
 };
 
 struct StackLayer {
@@ -124,6 +127,28 @@ class DecoderStack : public torch::CustomClassHolder {
     }
   }
 
+  // LoRA slots on every linear (tidal/gpu/model/lora.py's LoraSlots): per layer the A and B of qkv, o, gate_up and
+  // down in that order, the slots' ranks [slots] int32 (shared by all; written in place as adapters are placed)
+  // and max_rank. The tensors are held, not copied: a slot written from Python is what the next forward reads.
+  void use_lora(std::vector<at::Tensor> tensors, at::Tensor ranks, int64_t max_rank) {
+    TORCH_CHECK(tensors.size() == layers_.size() * 8, "expected A and B of 4 linears per layer");
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      StackLayer& layer = layers_[i];
+      const at::Tensor* t = tensors.data() + i * 8;
+      layer.qkv.lora = lora_linear(t[0], t[1], ranks, {q_size, kv_size, kv_size}, max_rank);
+      layer.o.lora = lora_linear(t[2], t[3], ranks, {layer.o.n}, max_rank);
+      layer.gate_up.lora = lora_linear(t[4], t[5], ranks, {layer.gate_up.n / 2, layer.gate_up.n / 2}, max_rank);
+      layer.down.lora = lora_linear(t[6], t[7], ranks, {layer.down.n}, max_rank);
+      StackLinear* linears[] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+      for (int j = 0; j < 4; ++j)
+        TORCH_CHECK(linears[j]->lora->k == input_features(i, j) && linears[j]->lora->a.scalar_type() == embed_.scalar_type(),
+                    "layer ", i, "'s LoRA A of linear ", j, " must be [.., ", input_features(i, j),
+                    "] of the activations' dtype");
+    }
+    lora_slots_ = layers_.empty() ? 0 : layers_[0].qkv.lora->num_slots;
+  }
+
   // The LM head on int8/int4 weights, as LlamaForCausalLM.compute_logits runs it (linear_int on the hidden rows
   // widened to float32): params are (n, bits, group_size, activation_bits); offsets and bias may be empty tensors.
   // logits() then runs forward and the head in one call: at one row of the tiny model the head's op call from
@@ -139,9 +164,10 @@ class DecoderStack : public torch::CustomClassHolder {
   // forward's rows through the LM head: float32 logits [T, vocab] of every row (use_int_lm_head first), the same
   // values as compute_logits(forward(...)).
   at::Tensor logits(at::Tensor input_ids, at::Tensor positions, at::Tensor slot_mapping, at::Tensor tables,
-                    at::Tensor lens, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
+                    at::Tensor lens, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                    at::Tensor lora_slots) {
     TORCH_CHECK(head_.has_value(), "the stack has no LM head");
-    at::Tensor hidden = forward(input_ids, positions, slot_mapping, tables, lens, k_caches, v_caches);
+    at::Tensor hidden = forward(input_ids, positions, slot_mapping, tables, lens, k_caches, v_caches, lora_slots);
     if (hidden.scalar_type() != at::kFloat) hidden = hidden.to(at::kFloat);
     at::Tensor out = at::empty({hidden.size(0), head_->n}, hidden.options());
     run_int_linear(hidden.data_ptr<float>(), hidden.size(0), hidden.size(1), *head_, out.data_ptr<float>());
@@ -151,9 +177,20 @@ class DecoderStack : public torch::CustomClassHolder {
   // The model's forward over the rows: embedding, every layer, final norm; returns the final-normed hidden
   // states [T, hidden], as LlamaForCausalLM.forward does. positions: the rows' positions [T] (their rotary
   // angles are rotary_angles', as RotaryEmbedding.cos_sin's); tables/lens: each row's block table and attended
-  // length (TorchPagedAttention.kernel_rows).
+  // length (TorchPagedAttention.kernel_rows); lora_slots: each row's LoRA slot [T] int32 (-1: the base model), or
+  // an empty tensor when no row has an adapter.
   at::Tensor forward(at::Tensor input_ids, at::Tensor positions, at::Tensor slot_mapping, at::Tensor tables,
-                     at::Tensor lens, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
+                     at::Tensor lens, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                     at::Tensor lora_slots) {
+    lora_rows_ = nullptr;
+    if (lora_slots.numel() > 0) {
+      TORCH_CHECK(lora_slots_ > 0, "the stack has no LoRA slots (use_lora)");
+      TORCH_CHECK(lora_slots.dim() == 1 && lora_slots.size(0) == input_ids.size(0) &&
+                      lora_slots.scalar_type() == at::kInt && lora_slots.is_contiguous(),
+                  "lora_slots must be [T] int32");
+      check_lora_slots(lora_slots.data_ptr<int32_t>(), lora_slots.size(0), lora_slots_);
+      lora_rows_ = lora_slots.data_ptr<int32_t>();
+    }
     if (embed_.scalar_type() == at::kFloat)
       return run<float>(input_ids, positions, slot_mapping, tables, lens, k_caches, v_caches);
     TORCH_CHECK(embed_.scalar_type() == at::kBFloat16, "the stack runs float32 or bfloat16 activations");
@@ -260,9 +297,16 @@ class DecoderStack : public torch::CustomClassHolder {
     at::Tensor buffer, result;
   };
 
-  // x [rows, k] @ w: the output's rows, contiguous.
+  // x [rows, k] @ w, plus each row's LoRA product when the forward has adapter rows: the output's rows, contiguous.
   template <typename T>
   T* linear(T* x, int64_t rows, int64_t k, const StackLinear& w, LinearOut& out) {
+    T* y = base_linear(x, rows, k, w, out);
+    if (lora_rows_ != nullptr) lora_add_rows<T>(x, rows, lora_rows_, *w.lora, y);
+    return y;
+  }
+
+  template <typename T>
+  T* base_linear(T* x, int64_t rows, int64_t k, const StackLinear& w, LinearOut& out) {
     if (w.a8.has_value() || w.weight_only.has_value()) {
       T* y = buffer<T>(out.buffer, rows * w.n);
       if constexpr (std::is_same_v<T, float>) {
@@ -317,6 +361,8 @@ class DecoderStack : public torch::CustomClassHolder {
   at::Tensor x32_, y32_;  // a bf16 stack's int linears' float input (int8 activations) and float output
   LinearOut qkv_, o_, gate_up_, down_;
   std::optional<StackLinear> head_;  // the LM head on int weights (use_int_lm_head), or none
+  int64_t lora_slots_ = 0;               // slots of every linear's LoRA weights (use_lora), 0: none
+  const int32_t* lora_rows_ = nullptr;   // this forward's rows' LoRA slots, or null: no adapter rows
   bool avx2_;
   double eps_, scale_;
   int64_t num_heads_ = 0, num_kv_heads_ = 0, head_dim_ = 0;
@@ -330,6 +376,7 @@ TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, bool, double, double>())
       .def("use_int_linears", &tidal_cpu::DecoderStack::use_int_linears)
       .def("use_int_lm_head", &tidal_cpu::DecoderStack::use_int_lm_head)
+      .def("use_lora", &tidal_cpu::DecoderStack::use_lora)
       .def("forward", &tidal_cpu::DecoderStack::forward)
       .def("logits", &tidal_cpu::DecoderStack::logits);
 }

@@ -67,6 +67,21 @@ A8Linear a8_linear(const at::Tensor& packed, const at::Tensor& scales, const std
 void linear_int_a8_into(const float* x, int64_t m, const A8Linear& w, float* out);
 std::string linear_int_a8_isa();  // the dot products it runs on this CPU: "avx512_vnni", "avx2", or "" (none)
 
+// lora.cpp: each row's own LoRA product added to a linear's output. One fused linear's slots, checked once (A
+// [slots * width, K], B [slots * width, N], width = parts * max_rank; ranks [slots] int32, read at every call so a
+// slot's new adapter is seen), then rows x [m, K] contiguous, slots [m] (-1: none; check_lora_slots first) and out
+// [m, N] contiguous, updated in place.
+struct LoraLinear {
+  at::Tensor a, b, ranks;
+  std::vector<int64_t> part_sizes;  // the columns of each part of the fused output
+  int64_t max_rank, k, n, num_slots;
+};
+LoraLinear lora_linear(const at::Tensor& a, const at::Tensor& b, const at::Tensor& ranks,
+                       std::vector<int64_t> part_sizes, int64_t max_rank);
+void check_lora_slots(const int32_t* slots, int64_t m, int64_t num_slots);
+template <typename T>
+void lora_add_rows(const T* x, int64_t m, const int32_t* slots, const LoraLinear& w, T* out);
+
 // paged_decode.cpp
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
