@@ -40,7 +40,7 @@ def test_kernel_equals_the_cpu_paths_masked_matmul():
     for row, slot in enumerate(slots.tolist()):
         if slot >= 0:
             onehot[row, slot] = 1
-    linear = type("Linear", (), {"lora": LoraWeights(a, b, 1, (n,), width)})()
+    linear = type("Linear", (), {"lora": LoraWeights(a, b, 1, (n,), width, torch.full((2,), width, dtype=torch.int32))})()
     masked = add_lora(torch.zeros(5, n), x, linear, LoraRows(onehot))
     torch.testing.assert_close(lora_add(torch.zeros(5, n), x, a, b, slots, width), masked, atol=1e-4, rtol=1e-4)
 
@@ -67,7 +67,7 @@ def test_a_mixed_batch_through_the_kernel_gives_transformers_tokens(tmp_path):
     prompts = {1: [0, 1013, 318, 2047, 57, 4000, 911], 2: [0, 55, 3000, 71, 2222]}
     engine = Engine(EngineConfig(model=base, dtype="float32", num_kv_blocks=32, block_size=4, max_loras=1,
                                  lora_modules=(AdapterSpec(7, "a", adapter),)))
-    engine.runner.lora_slots._kernel = True
+    engine.runner.lora_slots._kernel = "triton"
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     engine.add_request(AddRequest(1, prompts[1], params, adapter_id=7))
     engine.add_request(AddRequest(2, prompts[2], params))

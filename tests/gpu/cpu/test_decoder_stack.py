@@ -19,6 +19,7 @@ from tidal.gpu.model.attention import TorchPagedAttention
 from tidal.gpu.model.layers import avx2_linear_ops, gemv_ops
 from tidal.gpu.model.loader import load_model
 from tidal.gpu.model.llama import LlamaDecoderLayer
+from tidal.gpu.model.lora import PROJECTIONS, LoraAdapter, LoraSlots, projection_shape
 from tidal.gpu.model.quantization import ON_THE_FLY, int_linear_ops
 
 CPU = torch.device("cpu")
@@ -148,3 +149,61 @@ def test_batches_above_the_stacks_row_limit_run_the_python_layers(hf_model_dir, 
     assert layer_calls(seqs, []) == config.num_layers  # two rows: above the limit
     seqs[0].tokens.append(6)
     assert layer_calls(seqs[:1], []) == 0  # one row: the stack
+
+
+def random_adapter(config, rank: int, seed: int) -> LoraAdapter:
+    """An adapter on every projection of every layer, random A and B (float32, as read_adapter gives them)."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(config.num_layers):
+        for projection in PROJECTIONS:
+            in_features, out_features = projection_shape(config, projection)
+            weights[(layer, projection)] = (0.1 * torch.randn(rank, in_features, generator=generator),
+                                            0.1 * torch.randn(out_features, rank, generator=generator))
+    return LoraAdapter(f"a{seed}", rank, weights)
+
+
+@pytest.mark.parametrize("linears", ["bf16", "avx2", "int8", "w4a8", "int4-bf16"])
+def test_adapter_rows_stay_on_the_stack_and_match_the_python_layers(hf_model_dir, monkeypatch, linears):
+    """Rows through two adapters (one of a rank below the bound) beside base-model rows: the stack adds each row's
+    own LoRA product (csrc/lora.cpp) where the Python layers' add_lora does, so its decode steps run none of the
+    Python layers and every step's logits are bit for bit theirs; and the adapters change what their rows say."""
+    if not LINEARS[linears][2]:
+        pytest.skip(f"the {linears} linear cannot run on this CPU")
+    model_dir = hf_model_dir("qwen2", seed=3, **SHAPE)
+    models = []
+    for stack in (True, False):
+        model, config, dtype = load(model_dir, linears, monkeypatch, stack=stack)
+        slots = LoraSlots(model, num_slots=3, max_rank=8)
+        slots.place({1: random_adapter(config, 8, seed=1), 2: random_adapter(config, 4, seed=2)})
+        cache = PagedCache(config)
+        cache.kv_caches = [(k.to(dtype), v.to(dtype)) for k, v in cache.kv_caches]
+        models.append((model, slots, cache))
+    assert models[0][0]._stack_lora and models[1][0]._decoder_stack is None
+    calls = python_layer_calls(monkeypatch)
+    prompt = [0, 1013, 318, 2047, 57]
+    # the same prompt through adapter 1, the base model and adapter 2, in that row order
+    seqs = [[Sequence(tokens=list(prompt)) for _ in range(3)] for _ in models]
+    adapters = [1, None, 2]
+
+    def step(i: int, decode: bool) -> tuple[torch.Tensor, int]:
+        model, slots, cache = models[i]
+        entries = [(seq, 1 if decode else len(prompt)) for seq in seqs[i]]
+        batch = build_batch(cache, seqs[i] if decode else [], [] if decode else entries)
+        batch.lora = slots.rows([(slots.slot_of.get(adapter), n) for adapter, (_, n) in zip(adapters, entries)],
+                                batch.input_ids.shape[0])
+        before = calls[0]
+        with torch.inference_mode():
+            logits = model.compute_logits(model(batch, cache.kv_caches))
+        return logits, calls[0] - before
+
+    for decode in (False, True, True, True):
+        (with_stack, stack_calls), (without, _) = step(0, decode), step(1, decode)
+        assert torch.equal(with_stack, without)
+        if decode:
+            assert stack_calls == 0
+        last = with_stack.view(3, -1, with_stack.shape[-1])[:, -1] if not decode else with_stack
+        assert not torch.equal(last[0], last[1]) and not torch.equal(last[2], last[1])
+        for i in range(2):
+            for seq, token in zip(seqs[i], (5, 600, 7000), strict=True):
+                seq.tokens.append(token)

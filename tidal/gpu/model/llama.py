@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         """The one-call decoder stack's arguments for this batch, or None when it does not run it: there is a
         stack, its linears take this many rows, and every row attends on the C++ kernel."""
         lora = batch.lora
-        if self._decoder_stack is None or (lora is not None and not (self._stack_lora and lora.slots is not None)) or (
+        if self._decoder_stack is None or (lora is not None and not (self._stack_lora and lora.kernel == "cpu")) or (
                 self._stack_max_rows is not None and batch.input_ids.shape[0] > self._stack_max_rows):
             return None
         rows = self._stack_attention.kernel_rows(batch, self._stack_dtype, kv_caches[0][0])

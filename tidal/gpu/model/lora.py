@@ -177,12 +177,13 @@ def _read_tensors(path: str, config: ModelConfig, rank: int, scale: float, refus
 
 @dataclass
 class LoraRows:
-    """Which slot each row of a forward pass runs through: ``slots`` [rows] int32 (-1: the base model) for the
-    kernels (csrc/lora.cpp, tidal/kernels/lora.py); without one, ``onehot`` [rows, slots, 1] (all zero for a
-    base-model row), in the activations' dtype, only the first ``num_slots`` slots taking part."""
+    """Which slot each row of a forward pass runs through: ``slots`` [rows] int32 (-1: the base model) for
+    ``kernel`` ("cpu": csrc/lora.cpp, "triton": tidal/kernels/lora.py); without one, ``onehot`` [rows, slots, 1]
+    (all zero for a base-model row), in the activations' dtype, only the first ``num_slots`` slots taking part."""
 
     onehot: torch.Tensor | None = None
     slots: torch.Tensor | None = None
+    kernel: str | None = None
 
     @property
     def num_slots(self) -> int:
@@ -192,12 +193,12 @@ class LoraRows:
 def add_lora(out: torch.Tensor, x: torch.Tensor, linear, rows: LoraRows) -> torch.Tensor:
     """``out`` (``linear(x)``) plus each row's adapter product, in place (``linear.lora``: ``LoraWeights``)."""
     weights = linear.lora
-    if rows.slots is not None and out.device.type == "cpu":  # each row reads only its own slot (csrc/lora.cpp)
+    if rows.kernel == "cpu":  # each row reads only its own slot (csrc/lora.cpp)
         from tidal.gpu.cpu.kernels import load_cpu_ops
 
         return load_cpu_ops().lora_add_(out, x.contiguous(), weights.a, weights.b, rows.slots, weights.ranks,
                                         list(weights.part_sizes), weights.max_rank)
-    if rows.slots is not None:  # the same on CUDA (the Triton kernel)
+    if rows.kernel == "triton":  # the same on CUDA
         from tidal import kernels
 
         return kernels.lora_add(out, x.contiguous(), weights.a, weights.b, rows.slots, weights.slot_width)
@@ -236,7 +237,7 @@ class LoraSlots:
         self._layers = model.model.layers
         self.dtype = model.model.embed_tokens.dtype
         self.device = model.model.embed_tokens.device
-        self._kernel = _has_kernel(self.device)  # each row's own slot, else the masked matmuls
+        self._kernel = _kernel(self.device)  # reads each row's own slot; None: the masked matmuls
         self.ranks = torch.zeros(num_slots, dtype=torch.int32)  # the CPU kernel's; read on the host only
         for layer in self._layers:
             attn = layer.self_attn
@@ -250,7 +251,7 @@ class LoraSlots:
                 linear.lora = LoraWeights(torch.zeros(width, in_features, dtype=self.dtype, device=self.device),
                                           torch.zeros(width, sum(sizes[fused]), dtype=self.dtype, device=self.device),
                                           parts, sizes[fused], max_rank, self.ranks)
-        if self._kernel and self.device.type == "cpu" and hasattr(model, "use_lora"):
+        if self._kernel == "cpu" and hasattr(model, "use_lora"):
             model.use_lora(self.ranks, max_rank)  # adapter rows stay on its one-call decoder stack
 
     @staticmethod
@@ -300,7 +301,7 @@ class LoraSlots:
             return None
         if self._kernel:
             per_row = [-1 if slot is None else slot for slot, count in slots_of_entries for _ in range(count)]
-            return LoraRows(slots=torch.tensor(per_row, dtype=torch.int32).to(self.device))
+            return LoraRows(slots=torch.tensor(per_row, dtype=torch.int32).to(self.device), kernel=self._kernel)
         onehot = torch.zeros(num_rows, max(used) + 1, 1, dtype=self.dtype)
         row = 0
         for slot, count in slots_of_entries:
@@ -310,12 +311,12 @@ class LoraSlots:
         return LoraRows(onehot if self.device.type == "cpu" else onehot.to(self.device))
 
 
-def _has_kernel(device: torch.device) -> bool:
-    """Whether ``device`` runs the per-row kernel: the C++ CPU kernels, or triton on CUDA."""
+def _kernel(device: torch.device) -> str | None:
+    """The per-row kernel ``device`` runs: "cpu" (the C++ CPU kernels), "triton" (CUDA), or None."""
     if device.type == "cpu":
         from tidal.gpu.cpu.kernels import load_cpu_ops
 
-        return load_cpu_ops() is not None
+        return "cpu" if load_cpu_ops() is not None else None
     from tidal import kernels
 
-    return device.type == "cuda" and kernels.HAS_TRITON
+    return "triton" if device.type == "cuda" and kernels.HAS_TRITON else None
