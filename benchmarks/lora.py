@@ -99,7 +99,7 @@ def tok_per_s(url: str, models: list[str], max_tokens: int) -> float:
 
 def smoke(model_dir: str, adapter: str) -> None:
     import peft
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     server = Server("--model", model_dir, "--dtype", "float32", "--enable-lora", "--lora-modules", f"a0={adapter}",
                     "--max-lora-rank", "16")
@@ -113,10 +113,11 @@ def smoke(model_dir: str, adapter: str) -> None:
     merged = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
                                             adapter).merge_and_unload().eval()
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
-    with torch.no_grad():
-        # greedy through EOS as the server's ignore_eos does (min_new_tokens would mask EOS out instead)
-        generation = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
-        reference = merged.generate(prompt, generation_config=generation)[0, prompt.shape[1]:]
+    with torch.no_grad():  # greedy through EOS, as the server's ignore_eos does (generate stops at the model's EOS)
+        ids = prompt
+        for _ in range(16):
+            ids = torch.cat([ids, merged(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        reference = ids[0, prompt.shape[1]:]
     print(f"smoke: adapter a0 greedy tokens {'EQUAL' if served == reference.tolist() else 'DIFFER'} "
           f"transformers+peft merged (float32); through a0: {tokenizer.decode(served)!r}; base: {base!r}")
 
