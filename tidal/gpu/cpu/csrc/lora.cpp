@@ -99,6 +99,29 @@ void dots(const T* x, const int64_t* rows, int count, const T* a, int64_t k, flo
   dots_vec8(x, rows, count, a, k, h);
 }
 
+// Columns [c, c + 8 * V) of up to kRowTile rows: per rank, V vectors of B widened once serve every row, each
+// row's h broadcast once for the V vectors (one B vector per row and rank ran at half the rate).
+template <int V, typename T>
+void expand_block(const float* h, int64_t width, const T* b, int64_t n, int64_t first, int64_t rank,
+                  const int64_t* rows, int tile, int64_t c, T* out) {
+  vec8 acc[kRowTile][V];
+  for (int r = 0; r < tile; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = splat(0.0f);
+  for (int64_t j = 0; j < rank; ++j) {
+    vec8 w[V];
+    for (int v = 0; v < V; ++v) w[v] = load8(b + (first + j) * n + c + v * kWidth);
+    for (int r = 0; r < tile; ++r) {
+      const vec8 hj = splat(h[rows[r] * width + j]);
+      for (int v = 0; v < V; ++v) acc[r][v] += w[v] * hj;
+    }
+  }
+  for (int r = 0; r < tile; ++r)
+    for (int v = 0; v < V; ++v) {
+      T* y = out + rows[r] * n + c + v * kWidth;
+      store8(y, load8(y) + acc[r][v]);
+    }
+}
+
 // out[rows][c0, c1) += h[rows][0, rank) @ B rows [first, first + rank), columns [c0, c1), for one slot's part.
 template <typename T>
 void expand(const float* h, int64_t width, const T* b, int64_t n, int64_t first, int64_t rank, const int64_t* rows,
@@ -106,18 +129,8 @@ void expand(const float* h, int64_t width, const T* b, int64_t n, int64_t first,
   for (int64_t r0 = 0; r0 < count; r0 += kRowTile) {
     const int tile = static_cast<int>(std::min<int64_t>(kRowTile, count - r0));
     int64_t c = c0;
-    for (; c + kWidth <= c1; c += kWidth) {
-      vec8 acc[kRowTile];
-      for (int r = 0; r < tile; ++r) acc[r] = splat(0.0f);
-      for (int64_t j = 0; j < rank; ++j) {
-        const vec8 w = load8(b + (first + j) * n + c);
-        for (int r = 0; r < tile; ++r) acc[r] += w * h[rows[r0 + r] * width + j];
-      }
-      for (int r = 0; r < tile; ++r) {
-        T* y = out + rows[r0 + r] * n + c;
-        store8(y, load8(y) + acc[r]);
-      }
-    }
+    for (; c + 4 * kWidth <= c1; c += 4 * kWidth) expand_block<4>(h, width, b, n, first, rank, rows + r0, tile, c, out);
+    for (; c + kWidth <= c1; c += kWidth) expand_block<1>(h, width, b, n, first, rank, rows + r0, tile, c, out);
     for (; c < c1; ++c)
       for (int r = 0; r < tile; ++r) {
         float sum = 0.0f;
