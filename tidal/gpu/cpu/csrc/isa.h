@@ -4,6 +4,13 @@
 // builds without AVX-512 flags), so one host can run, test and measure what an AVX2-only host runs.
 #pragma once
 
+// Whether the compiler can emit AVX512-BF16 code (vdpbf16ps); whether the CPU runs it is isa().avx512_bf16.
+#if (defined(__x86_64__) || defined(__i386__)) && \
+    ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
+#define TIDAL_AVX512_BF16 1
+#include <immintrin.h>
+#endif
+
 #include <cstdlib>
 #include <cstring>
 

@@ -25,12 +25,6 @@
 #include "ops.h"
 #include "vec8.h"
 
-#if (defined(__x86_64__) || defined(__i386__)) && \
-    ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
-#define TIDAL_AVX512_BF16 1
-#include <immintrin.h>
-#endif
-
 namespace tidal_cpu {
 namespace {
 
