@@ -183,3 +183,16 @@ async def test_engine_client_detects_a_hung_engine():
                 finally:
                     with trio.CancelScope(shield=True):
                         assert "heartbeat" in (client.dead or "")
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_shutdown_right_after_ready_exits_cleanly(attempt):
+    """Shut down while the grammar compiler is still being built on its start-up thread (native
+    code): the engine exits 0, not with an abort from the interpreter's teardown under that thread."""
+    child = Child(EngineConfig(model="tidal-tiny", num_kv_blocks=64))
+    try:
+        assert isinstance(child.receive(), Ready)
+        child.send(Shutdown())
+        assert child.proc.wait(30) == 0
+    finally:
+        child.proc.kill()
