@@ -154,6 +154,7 @@ def test_runtime_load_serve_and_unload(server, client, adapter_dirs):
     ({"lora_name": "tidal-tiny", "lora_path": "/x"}, 400, "is the base model's"),
     ({"lora_name": "", "lora_path": "/x"}, 400, "lora_name"),
     ({"lora_name": "e"}, 400, "lora_path"),
+    ({"lora_name": "e", "lora_path": "/tmp/a\x00b"}, 400, "NUL character"),
 ])
 def test_a_bad_load_is_refused_naming_the_cause(server, body, status, message):
     answer = post(server, "/v1/load_lora_adapter", body)

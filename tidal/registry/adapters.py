@@ -104,6 +104,8 @@ class AdapterRegistry:
         if not self.allowed_dirs:
             raise bad_request("lora_path is outside what the operator allows: no --lora-allowed-dirs were given",
                               "lora_path")
+        if "\0" in path:  # no file system path holds one (os.path raises ValueError on it)
+            raise bad_request("lora_path must not contain a NUL character", "lora_path")
         real = os.path.realpath(path)
         if not any(os.path.commonpath([real, root]) == root for root in self.allowed_dirs):
             raise bad_request(f"lora_path {path!r} is outside the allowed directories (--lora-allowed-dirs)",
