@@ -4,7 +4,8 @@
                                    [--rounds 3] [--threads 2] [--profile]
 
 Each file is loaded the way ``tidal serve --model FILE.gguf`` loads it (``--dtype auto``; Q8_0 / Q4_0 / Q4_1
-linears native on the int kernels) and ``--hf-dir`` (a Hugging Face directory, e.g. the dequantized bf16 copy)
+linears native on the int kernels, against int8 activations; ``--exact-activations``: float ones, as a named
+``--dtype`` runs them) and ``--hf-dir`` (a Hugging Face directory, e.g. the dequantized bf16 copy)
 as ``--model DIR`` does. Rows are timed in rounds, interleaved, median reported. The floor is the bytes one
 step reads in linear weights (integers, scales, offsets, the LM head) over the read bandwidth measured in
 the same run (a sum over 1 GiB in 2 MiB pages, where the weights live). ``--profile``: the same step with the
@@ -36,14 +37,14 @@ from tidal.gpu.model.precision import resolve_precision  # noqa: E402
 BLOCK_SIZE = 16
 
 
-def load(source: str, stack: str):
+def load(source: str, stack: str, activation_bits: int = 8):
     model_dir = gguf_model.prepare(source) if source.endswith(".gguf") else source
     weight_dtype = None if source.endswith(".gguf") else checkpoint_weight_dtype(model_dir)
     precision = resolve_precision("auto", torch.device("cpu"), weight_dtype)
     os.environ["TIDAL_CPU_STACK"] = stack
     try:
         model, config = load_model(model_dir, precision.dtype, torch.device("cpu"), TorchPagedAttention("cpu"),
-                                   linear_weights=precision.linear_weights)
+                                   linear_weights=precision.linear_weights, gguf_activation_bits=activation_bits)
     finally:
         os.environ.pop("TIDAL_CPU_STACK")
     quantized, dense = quantization.weight_bytes([m for m in model.modules() if isinstance(m, Linear)])
@@ -95,6 +96,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--exact-activations", action="store_true",
+                    help="GGUF integer linears against float activations (a named --dtype) instead of int8 ones")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bandwidth = read_bandwidth(huge=True)
@@ -102,7 +105,8 @@ def main() -> None:
     print(f"host flags: {' '.join(flags)}; torch threads {args.threads}; read bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"(2 MiB pages); load average {os.getloadavg()[0]:.2f}\n")
     sources = args.files + args.hf_dir
-    models = {os.path.basename(s.rstrip("/")): load(s, "1") for s in sources}
+    bits = 16 if args.exact_activations else 8
+    models = {os.path.basename(s.rstrip("/")): load(s, "1", bits) for s in sources}
     print("| model | batch | step ms (median) | rounds | linear weight MB read | floor ms | step / floor | tok/s |")
     print("|---|---:|---:|---|---:|---:|---:|---:|")
     for batch in (int(b) for b in args.batches.split(",")):
@@ -122,7 +126,7 @@ def main() -> None:
         runs.clear()
     if args.profile:
         for source in sources:
-            model, config, dtype, _ = load(source, "0")
+            model, config, dtype, _ = load(source, "0", bits)
             profile(os.path.basename(source.rstrip("/")), model, config, dtype, args.context, args.steps)
     print(f"\nafter the run: read bandwidth {read_bandwidth(huge=True) / 1e9:.1f} GB/s, "
           f"load average {os.getloadavg()[0]:.2f}")

@@ -24,7 +24,7 @@ from tidal.gpu.model.config import ModelConfig
 from tidal.gpu.model.lora import LoraSlots
 from tidal.gpu.model.loader import checkpoint_weight_dtype, load_model, quantized_weights_note, resolve_model_dir
 from tidal.gpu.model.precision import resolve_precision
-from tidal.gpu.model.quantization import resolve_on_the_fly
+from tidal.gpu.model.quantization import gguf_activation_bits, resolve_on_the_fly
 from tidal.gpu.sequence import Sequence
 from tidal.gpu.model.synthetic_model import SYNTHETIC_MODEL_NAME, SyntheticModel
 from tidal.wire import EngineConfig
@@ -80,8 +80,12 @@ class ModelRunner:
             self.model_config = ModelConfig.from_dir(self.model_dir)
             self.model = SyntheticModel(self.model_config, self.device)
         else:
+            activation_bits, why = gguf_activation_bits(config.dtype, self.device)
             self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, self.attention,
-                                                       self.tp, self.linear_weights, config.quantization)
+                                                       self.tp, self.linear_weights, config.quantization,
+                                                       activation_bits)
+            if why and getattr(self.model, "gguf_note", None) and "native" in self.model.gguf_note:
+                self.dtype_reason += "; " + why
             self.dtype_reason += quantized_weights_note(self.model)
         mc = self.model_config
         self.block_size = config.block_size

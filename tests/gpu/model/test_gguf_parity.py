@@ -20,7 +20,7 @@ from tidal.gguf_model import write_model_files
 from tidal.gpu.model.attention import TorchPagedAttention
 from tidal.gpu.model.gguf_checkpoint import unpack
 from tidal.gpu.model.loader import load_model, quantized_weights_note
-from tidal.gpu.model.quantization import PackedInt, int_linear_ops
+from tidal.gpu.model.quantization import PackedInt, gguf_activation_bits, int_linear_ops
 
 PROMPT = [0, 1013, 318, 2047, 57, 4000, 911, 12, 8000, 333, 77]
 NEW_TOKENS = 12
@@ -183,3 +183,43 @@ def test_a_metadata_layer_count_the_tensors_contradict_is_refused(dense_dir, tmp
     (tmp_path / "b").mkdir()
     message = refusal(tmp_path / "b", dense_dir("qwen2"), metadata={"block_count": 1})
     assert "blk.1." in message and "no place" in message
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_int8_activations_compute_llama_cpps_product(kind):
+    """Under ``--dtype auto`` on a CPU the file's integers multiply activations rounded to Q8_0 blocks of 32, as
+    llama.cpp's dot products do: the kernel's answer is the file's values times x rounded per 32 inputs to int8 at
+    the block's largest magnitude over 127 (Q8_0's rounding; the scale kept in float32 where Q8_0 stores float16)."""
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(1)).numpy()
+    data = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
+    weight = unpack(kind, data, (40, 96), activation_bits=8)
+    expected = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]))
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2))
+    blocks = x.view(5, 3, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    rounded = (torch.round(blocks / scale) * scale).view(5, 96)
+    got = PackedInt(weight, int_linear_ops("cpu")).linear(x, None)
+    reference = rounded @ expected.T
+    torch.testing.assert_close(got, reference, rtol=0, atol=1e-4)
+    assert (got - x @ expected.T).abs().max() > 1e-2  # the activations were rounded: not the float product
+
+
+def test_dtype_auto_on_a_cpu_rounds_a_gguf_files_activations_and_a_named_dtype_keeps_them():
+    assert gguf_activation_bits("auto", torch.device("cpu"))[0] == 8
+    assert gguf_activation_bits("bfloat16", torch.device("cpu")) == (16, "")
+    assert gguf_activation_bits("float32", torch.device("cpu")) == (16, "")
+    assert gguf_activation_bits("auto", torch.device("cuda")) == (16, "")
+
+
+@needs_kernel
+def test_a_file_loaded_with_int8_activations_says_so_and_stays_close_to_exact(dense_dir, tmp_path):
+    model_dir = gguf_model_dir(tmp_path, dense_dir("llama"), "Q8_0", embedding_type="Q8_0")
+    exact, config = load(model_dir)
+    rounded, _ = load_model(model_dir, torch.float32, torch.device("cpu"), TorchPagedAttention(),
+                            gguf_activation_bits=8)
+    assert "(int8 activations)" in quantized_weights_note(rounded)
+    assert "(int8 activations)" not in quantized_weights_note(exact)
+    assert all(m.int_packed.activation_bits == 8 for m in int_linears(rounded))
+    a, b = prompt_logits(exact, config, PROMPT), prompt_logits(rounded, config, PROMPT)
+    assert 0 < (a - b).abs().max() < 0.05 * a.abs().max()

@@ -51,12 +51,13 @@ def _code_hash() -> str:
     return digest.hexdigest()
 
 
-def cache_path(model_dir: str, gguf_path: str, dtype: torch.dtype) -> str:
-    """Where this file's packed weights for this build and ``dtype`` live (whether or not they exist yet)."""
+def cache_path(model_dir: str, gguf_path: str, dtype: torch.dtype, activation_bits: int = 16) -> str:
+    """Where this file's packed weights for this build, ``dtype`` and activation rounding live (whether or not
+    they exist yet)."""
 
     stat = os.stat(gguf_path)
     build = os.path.basename(kernels.cache_directory() or "no-kernels")
-    key = json.dumps([FORMAT, tidal.__version__, _code_hash(), build, str(dtype), os.path.realpath(gguf_path),
+    key = json.dumps([FORMAT, tidal.__version__, _code_hash(), build, str(dtype), activation_bits, os.path.realpath(gguf_path),
                       stat.st_size, stat.st_mtime_ns])
     return os.path.join(model_dir, f"weights-{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors")
 

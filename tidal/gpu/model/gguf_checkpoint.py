@@ -106,6 +106,7 @@ class GgufCheckpoint:
         self.path, self.config = path, config
         self.reader = gguf.GGUFReader(path)  # memory-mapped: nothing is read until a tensor is used
         self.native = False  # set by the loader: Q8_0 / Q4_0 / Q4_1 stay integers (a CPU with the int kernels)
+        self.activation_bits = 16  # set by the loader: 8 rounds each step's activations to int8, as llama.cpp does
         self.kept: dict[str, QuantizedWeight] = {}  # Hugging Face module name -> its integers
         self.tied_head: QuantizedWeight | None = None  # a quantized embedding's integers, for the tied LM head
         self.loaded: Counter[tuple[str, str]] = Counter()  # (type, how it loaded) -> tensors, for ``describe``
@@ -160,11 +161,11 @@ class GgufCheckpoint:
             if kind in NATIVE and self.native and name == "token_embd.weight" and self.config.tie_word_embeddings:
                 # the lookup needs the table dense; the tied head multiplies the file's own integers (llama.cpp's
                 # files keep it Q8_0: half the bytes a step reads of a bf16 copy, and its exact values)
-                self.tied_head = unpack(kind, np.asarray(tensor.data), shape)
+                self.tied_head = unpack(kind, np.asarray(tensor.data), shape, self.activation_bits)
                 dense = self.tied_head.dequantize()
                 self.loaded[kind, f"dequantized embedding, native int{self.tied_head.bits} group {GROUP} head"] += 1
             elif kind in NATIVE and self.native and is_linear:
-                weight = unpack(kind, np.asarray(tensor.data), shape)
+                weight = unpack(kind, np.asarray(tensor.data), shape, self.activation_bits)
                 if permute:
                     weight = weight[unpermute_rows(shape[0], heads)]
                 self.kept[target.removesuffix(".weight")] = weight
@@ -210,22 +211,24 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
-def unpack(kind: str, blocks: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
+def unpack(kind: str, blocks: np.ndarray, shape: tuple[int, int], activation_bits: int = 16) -> QuantizedWeight:
     """A Q8_0 / Q4_0 / Q4_1 tensor's bytes ([N, K / 32 * block bytes] uint8) as a group-32 ``QuantizedWeight``
     holding exactly its values: Q8_0 w = d * q; Q4_0 w = d * (u - 8); Q4_1 w = d * u + m, u the unsigned nibble,
-    the first 16 inputs of a block in the low nibbles and the last 16 in the high ones."""
+    the first 16 inputs of a block in the low nibbles and the last 16 in the high ones. ``activation_bits`` 8:
+    multiplied against int8 activations (``QuantizedWeight.activation_bits``)."""
     n, k = shape
     raw = torch.from_numpy(np.array(blocks)).view(n, k // GROUP, -1)  # a copy: the map is read-only
     scales = raw[:, :, 0:2].contiguous().view(torch.float16).view(n, -1).float()
     if kind == "Q8_0":
         q = raw[:, :, 2:].contiguous().view(torch.int8).reshape(n, k)
-        return QuantizedWeight(q, scales, None, 8, GROUP)
+        return QuantizedWeight(q, scales, None, 8, GROUP, activation_bits)
     first = 4 if kind == "Q4_1" else 2
     nibbles = raw[:, :, first:]
     u = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=2)  # [N, groups, 32]: inputs 0-15, then 16-31
     q = (u.to(torch.int16) - 8).to(torch.int8).reshape(n, k)
     if kind == "Q4_0":
-        return QuantizedWeight(q, scales, None, 4, GROUP)
+        return QuantizedWeight(q, scales, None, 4, GROUP, activation_bits)
     mins = raw[:, :, 2:4].contiguous().view(torch.float16).view(n, -1).float()
     # w = d * u + m = (q - (-8)) * d + m
-    return QuantizedWeight(q, scales, torch.full_like(scales, -8, dtype=torch.int8), 4, GROUP, mins=mins)
+    return QuantizedWeight(q, scales, torch.full_like(scales, -8, dtype=torch.int8), 4, GROUP, activation_bits,
+                           mins=mins)

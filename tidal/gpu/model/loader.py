@@ -38,7 +38,7 @@ def resolve_model_dir(name: str) -> str:
 
 def load_model(
     model_dir: str, dtype: torch.dtype, device: torch.device, attention, tp=None,
-    linear_weights: torch.dtype | None = None, quantize: str | None = None,
+    linear_weights: torch.dtype | None = None, quantize: str | None = None, gguf_activation_bits: int = 16,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model of ``model_dir`` on ``device`` in ``dtype`` and load its weights.
 
@@ -47,6 +47,8 @@ def load_model(
     ``dtype``: the linear weights are stored in bf16 once loaded (``precision.Precision``, the AVX2 path).
     ``quantize`` ("int8"/"int4"/"w8a8"/"w4a8", ``quantization.ON_THE_FLY``; "fp8" on a CUDA GPU with FP8) rounds the decoder's
     linear weights at load; a compressed-tensors checkpoint (``compressed.py``) brings its own integers and scales.
+    A GGUF file's Q8_0 / Q4_0 / Q4_1 linears stay integers on the CPU kernel, against int8 activations with
+    ``gguf_activation_bits=8`` (``quantization.gguf_activation_bits``).
     Each quantized Linear runs on its device's kernel (``quantized_linear.pack``: C++ on CPU, Triton or
     ``torch._scaled_mm`` on CUDA).
     """
@@ -73,7 +75,7 @@ def load_model(
     restored = False
     # Q8_0 / Q4_0 / Q4_1 stay integers on the C++ kernel only (Q4_1's minimum); their packed form is cached on disk
     native = gguf_path is not None and quantized_linear.int_kernel(device) == "cpu"
-    cached = gguf_cache.cache_path(model_dir, gguf_path, dtype) if native and gguf_cache.enabled() else None
+    cached = gguf_cache.cache_path(model_dir, gguf_path, dtype, gguf_activation_bits) if native and gguf_cache.enabled() else None
     if cached is not None:
         try:
             tied_head, restored = gguf_cache.restore(cached, model, quantization.int_linear_ops(device)), True
@@ -87,6 +89,7 @@ def load_model(
     elif gguf_path is not None:
         gguf = gguf_checkpoint.GgufCheckpoint(gguf_path, config)
         gguf.native = native
+        gguf.activation_bits = gguf_activation_bits
         model.load_weights(gguf.weights())
     elif checkpoint is not None:
         model.load_weights(checkpoint.decompress(iter_safetensors(model_dir)))

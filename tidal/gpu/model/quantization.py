@@ -65,6 +65,18 @@ def resolve_on_the_fly(name: str | None, dtype_name: str, device: torch.device) 
                     f"to int8 per 32 inputs, the faster kernel; a named --dtype keeps them exact)")
 
 
+def gguf_activation_bits(dtype_name: str, device: torch.device) -> tuple[int, str]:
+    """(the activation bits a GGUF file's integer linears run with under ``--dtype dtype_name`` on ``device``, why).
+
+    llama.cpp multiplies Q8_0 / Q4_0 / Q4_1 weights against activations rounded to Q8_0 blocks of 32; so does tidal
+    under ``--dtype auto`` on a CPU (the integer kernel: at 16 rows about twice the speed of widening each weight to
+    float on SmolLM2-135M, docs/performance.md). A named ``--dtype`` keeps the activations exact."""
+    if dtype_name != "auto" or device.type != "cpu":
+        return 16, ""
+    return 8, ("a GGUF file's integer weights multiply int8 activations (per 32 inputs, as llama.cpp's do; "
+               "--dtype auto on a CPU; a named --dtype keeps them exact)")
+
+
 @dataclass
 class QuantizedWeight:
     """A [N, K] weight as integers ``q`` (int8 tensor holding values in [-2^(bits-1), 2^(bits-1) - 1]) with
