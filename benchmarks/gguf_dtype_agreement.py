@@ -1,9 +1,10 @@
 """bf16 activations against float32 on a GGUF file served natively: top-1 agreement over decode steps.
 
-    python benchmarks/gguf_dtype_agreement.py FILE.gguf [--steps 250] [--prompts 4] [--threads 2]
+    python benchmarks/gguf_dtype_agreement.py FILE.gguf [--steps 250] [--prompts 4] [--threads 2] [--int8-activations]
 
 The file is loaded as ``tidal serve --model FILE.gguf`` loads it (Q8_0 / Q4_0 / Q4_1 linears native on the int
-kernels) twice: ``--dtype float32`` and ``--dtype bfloat16``. For each prompt (SmolLM2's chat template around a
+kernels) twice: ``--dtype float32`` and ``--dtype bfloat16`` (``--int8-activations``: the bf16 one with its integer
+linears against int8 activations, as ``--dtype auto`` serves it on a CPU with native bf16). For each prompt (SmolLM2's chat template around a
 short question or text to continue) the float32 model greedy-decodes ``--steps`` tokens; the bf16 model is fed
 the same tokens, one decode step each (teacher-forced through the decode path), and at every step its argmax is
 compared with float32's: top-1 agreement, mean KL(float32 || bf16) and the largest |logit difference|. Free
@@ -58,6 +59,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=250, help="decode steps per prompt")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="the bf16 model's integer linears against int8 activations, as --dtype auto serves the file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = gguf_model.prepare(args.file)
@@ -65,7 +68,9 @@ def main() -> None:
     started = time.perf_counter()
     models = {}
     for dtype in (torch.float32, torch.bfloat16):
-        model, config = load_model(model_dir, dtype, torch.device("cpu"), TorchPagedAttention("cpu"))
+        bits = 8 if args.int8_activations and dtype == torch.bfloat16 else 16
+        model, config = load_model(model_dir, dtype, torch.device("cpu"), TorchPagedAttention("cpu"),
+                                   gguf_activation_bits=bits)
         models[dtype] = model
     print(f"host flags: {' '.join(flags)}; torch threads {args.threads}; {os.path.basename(args.file)}"
           f"{quantized_weights_note(models[torch.float32])}\n")
@@ -85,7 +90,8 @@ def main() -> None:
     print("| file | activations vs float32 | decode steps (prompts x steps) | distinct float32 tokens | "
           "top-1 agreement | mean KL(float32 ‖ bf16) | max abs logit diff | free-running: steps before divergence |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
-    print(f"| {os.path.basename(args.file)} | bf16 | {positions} ({len(asked)} x {args.steps}) | {len(distinct)} | "
+    label = "bf16, int8 into the integer linears (`--dtype auto`)" if args.int8_activations else "bf16"
+    print(f"| {os.path.basename(args.file)} | {label} | {positions} ({len(asked)} x {args.steps}) | {len(distinct)} | "
           f"{agree / positions:.3f} | {kl_sum / positions:.3g} | {max_diff:.3g} | {free_text} |")
     print(f"\n{time.perf_counter() - started:.0f} s")
 
