@@ -10,12 +10,15 @@ import json
 
 from tidal.wire import SpeculativeConfig
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # methods vLLM knows that tidal does not run yet: named, so the refusal says what is supported
-KNOWN_ELSEWHERE = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+KNOWN_ELSEWHERE = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 MAX_SPECULATIVE_TOKENS = 16  # a verification pass carries at most this many proposed tokens per sequence
 MAX_PROMPT_LOOKUP = 64  # the longest n-gram matched against the sequence's own tokens
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+# the keys of vLLM's config each method takes; vLLM's others (e.g. draft_tensor_parallel_size > 1) are refused
+KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+        "draft_model": ("method", "model", "num_speculative_tokens", "quantization", "draft_tensor_parallel_size")}
+DRAFT_QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")  # --quantization's CPU schemes, applied to the draft at load
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig:
@@ -28,14 +31,18 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
         raise ValueError("--speculative-config must be a JSON object, e.g. "
                          '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
     method = spec.get("method")
+    if method is None and "model" in spec:
+        method = "draft_model"  # vLLM's reading of a config that names a draft model and no method
     if method not in METHODS:
         known = f"unknown method {method!r}" if method not in KNOWN_ELSEWHERE else f"method {method!r} is not supported"
         raise ValueError(f"--speculative-config: {known}; supported: {', '.join(METHODS)}")
-    unknown = sorted(set(spec) - set(KEYS))
+    unknown = sorted(set(spec) - set(KEYS[method]))
     if unknown:
         raise ValueError(f"--speculative-config: unknown key {unknown[0]!r} for method {method!r} "
-                         f"(known: {', '.join(KEYS)})")
+                         f"(known: {', '.join(KEYS[method])})")
     k = _integer(spec, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
+    if method == "draft_model":
+        return _draft_model(spec, k)
     high = _integer(spec, "prompt_lookup_max", None, 1, MAX_PROMPT_LOOKUP)
     low = _integer(spec, "prompt_lookup_min", None, 1, MAX_PROMPT_LOOKUP)
     # neither bound: n-grams of 5 down to 2 tokens; one alone: the other widens to include it
@@ -48,6 +55,21 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
     if low > high:
         raise ValueError(f"--speculative-config: prompt_lookup_min ({low}) must not exceed prompt_lookup_max ({high})")
     return SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_min=low, prompt_lookup_max=high)
+
+
+def _draft_model(spec: dict, k: int) -> SpeculativeConfig:
+    model = spec.get("model")
+    if not isinstance(model, str) or not model:
+        raise ValueError("--speculative-config: method 'draft_model' needs \"model\": the draft model "
+                         "(a directory, a .gguf file or a Hub id, as --model takes)")
+    quantization = spec.get("quantization")
+    if quantization is not None and quantization not in DRAFT_QUANTIZATIONS:
+        raise ValueError(f"--speculative-config: quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)} "
+                         f"or null, not {quantization!r}")
+    if spec.get("draft_tensor_parallel_size", 1) != 1:
+        raise ValueError("--speculative-config: draft_tensor_parallel_size must be 1 (the draft runs in the "
+                         "engine's one process)")
+    return SpeculativeConfig(method="draft_model", num_speculative_tokens=k, model=model, quantization=quantization)
 
 
 def _integer(spec: dict, key: str, default: int | None, low: int, high: int) -> int | None:

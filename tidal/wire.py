@@ -90,19 +90,22 @@ class AdapterSpec(msgspec.Struct, frozen=True, array_like=True):
     path: str
 
 
-SpeculativeMethod = Literal["ngram"]
+SpeculativeMethod = Literal["ngram", "draft_model"]
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Speculative decoding (``--speculative-config``, vLLM's JSON; docs/engine.md). ``ngram``: each
     step proposes up to ``num_speculative_tokens`` tokens that followed the latest earlier occurrence
     of the sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) in its
-    own prompt and output; one forward pass verifies them all."""
+    own prompt and output; ``draft_model``: a smaller ``model`` with the same vocabulary proposes them,
+    greedily, with its own KV cache in the target's blocks. One forward pass verifies them all."""
 
     method: SpeculativeMethod
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    model: str | None = None  # draft_model: the draft's model directory (the CLI resolves a GGUF or Hub id to one)
+    quantization: str | None = None  # draft_model: quantize the draft's linears at load, as --quantization does
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -47,6 +47,7 @@ from tidal.gpu.grammar import Grammars
 from tidal.gpu.logprobs import CapturedLogprobs
 from tidal.gpu.model_runner import ModelRunner
 from tidal.gpu.sampler import Sampler, SamplingBatch, apply_penalties, is_penalised, make_generator
+from tidal.gpu.speculative.draft import DraftProposer, draft_kv_bytes
 from tidal.gpu.speculative.speculator import Speculator
 from tidal.gpu.speculative.verify import Verdict, verify
 from tidal.gpu.scheduler import ScheduledBatch, Scheduler
@@ -66,7 +67,9 @@ class Engine:
         "launched"); None picks by device (``_default_passes``). Tests and benchmarks compare them."""
         self.config = config
         torch.manual_seed(config.seed)  # unseeded requests draw from the global generator
-        self.runner = ModelRunner(config)
+        drafting = config.speculative is not None and config.speculative.method == "draft_model"
+        # a draft model's KV cache shares the target's blocks: the cache's memory pays for both per block
+        self.runner = ModelRunner(config, extra_kv_bytes_per_block=draft_kv_bytes(config) if drafting else 0)
         tokenizer_file = os.path.join(self.runner.model_dir, "tokenizer.json")
         if not os.path.isfile(tokenizer_file):  # tokenizers' own error names no file
             raise FileNotFoundError(f"{self.runner.model_dir} has no tokenizer.json (the tokenizer): a model "
@@ -80,7 +83,8 @@ class Engine:
                                  sorted(self.eos_token_ids), config.grammar_compile_timeout,
                                  config.grammar_cache_bytes)
         self.grammars.warm_up()  # beside the rest of the start, not on the first constrained request's time
-        self.speculator = None if config.speculative is None else Speculator(config.speculative, self.grammars)
+        self.speculator = None if config.speculative is None else Speculator(
+            config.speculative, self.grammars, DraftProposer(config, self.runner.num_blocks) if drafting else None)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,

@@ -50,7 +50,9 @@ def resolve_device(name: str, data_parallel_rank: int = 0) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp_rank: int = 0):
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, extra_kv_bytes_per_block: int = 0):
+        """``extra_kv_bytes_per_block``: what another cache indexed by the same blocks costs per block (a
+        draft model's, ``speculative.draft``): --kv-cache-memory pays for both."""
         self.config = config
         per_node = config.tensor_parallel_size // config.nnodes  # 1 without tensor parallelism
         self.device = resolve_device(config.device, config.data_parallel_rank * per_node + tp_rank % per_node)
@@ -98,7 +100,9 @@ class ModelRunner:
         # each rank caches only its own KV heads; --kv-cache-memory is per rank
         num_kv_heads = mc.num_kv_heads if self.tp is None else self.model.model.layers[0].self_attn.num_kv_heads
         bytes_per_block = 2 * mc.num_layers * self.block_size * num_kv_heads * mc.head_dim * self.dtype.itemsize
-        self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
+        self.kv_bytes_per_block = bytes_per_block
+        self.num_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_memory_bytes // (bytes_per_block + extra_kv_bytes_per_block))
         if self.tp is not None:
             self.num_blocks = self.tp.broadcast_int(self.num_blocks)  # rank 0 decides; all ranks agree
             if self.tp.rank == 0:  # each batch goes to the other ranks as it is built

@@ -257,13 +257,17 @@ class Scheduler:
         blocks = self.block_manager
         candidates = [seq for seq, _ in decodes if seq.output_token_ids]
         drafted: dict[int, tuple[Sequence, int]] = {}
-        for seq, draft in self.speculator.plan(candidates, budget):  # type: ignore[union-attr]
-            if not blocks.can_allocate(seq, 1 + len(draft)):  # no block for all of it: what the last one holds
-                room = len(seq.block_table) * blocks.block_size - seq.num_computed_tokens - 1
-                draft = draft[:max(0, room)]
-            if not draft:
-                continue
-            blocks.allocate(seq, 1 + len(draft))
+
+        def reserve(seq: Sequence, n: int) -> int:
+            """KV slots for the last token and n proposed ones (a draft model writes them before the pass);
+            with no block for all of it, what the last block holds."""
+            if not blocks.can_allocate(seq, 1 + n):
+                n = min(n, max(0, len(seq.block_table) * blocks.block_size - seq.num_computed_tokens - 1))
+            if n:
+                blocks.allocate(seq, 1 + n)
+            return n
+
+        for seq, draft in self.speculator.plan(candidates, budget, reserve):  # type: ignore[union-attr]
             seq.draft_token_ids = draft
             batch.num_draft_tokens += len(draft)
             drafted[seq.request_id] = (seq, 1 + len(draft))
@@ -349,6 +353,7 @@ class Scheduler:
         self._adapter_left(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0  # recomputed (or found in the prefix cache) when scheduled again
+        seq.speculation = None  # a draft model's KV was in the freed blocks too: it starts over
         self._enqueue(seq)
         batch.preempted.append(seq)
         self.num_preemptions += 1

@@ -9,6 +9,10 @@ sequence's first lookup.
 from __future__ import annotations
 
 from array import array
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tidal.gpu.sequence import Sequence
 
 
 class NgramIndex:
@@ -44,3 +48,22 @@ class NgramIndex:
                     return token_ids[start:start + num_tokens]
                 end = at + len(needle) - 1  # straddles two tokens: look before it
         return []
+
+
+class NgramProposer:
+    """The ``ngram`` method's proposal source (``speculator.ProposalSource``): one sequence at a time, each
+    searching its own tokens (an ``NgramIndex`` kept in its speculation state)."""
+
+    batched = False
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
+        proposals = []
+        for seq, num_tokens in wants:
+            state = seq.speculation
+            if state.source is None:
+                state.source = NgramIndex()
+            proposals.append(state.source.propose(seq.token_ids, num_tokens, self.min_n, self.max_n))
+        return proposals

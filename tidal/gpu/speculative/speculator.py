@@ -16,15 +16,17 @@ cost what one does. So each step:
 * never past the request's max_tokens or the model's length (each step still yields one token more
   than it accepts).
 
-Pure Python over ``Sequence``; the n-gram search is ``ngram.NgramIndex``.
+Which tokens are proposed is the ``ProposalSource``'s: prompt lookup (``ngram.NgramProposer``) or a
+draft model (``draft.DraftProposer``). Pure Python over ``Sequence`` (a draft model runs in its source).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
-from tidal.gpu.speculative.ngram import NgramIndex
+from tidal.gpu.speculative.ngram import NgramProposer
 from tidal.wire import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -39,13 +41,31 @@ DECAY = 0.8  # weight of the past in the acceptance estimate, per verification
 REST_DECAY = 0.95  # per step without a proposal: the estimate's way back to the prior
 
 
-class SequenceSpeculation:
-    """One sequence's n-gram index and acceptance estimate (decayed counts of verified tokens)."""
+class ProposalSource(Protocol):
+    """Where proposed tokens come from (``ngram.NgramProposer``, ``draft.DraftProposer``; a CUDA EAGLE head
+    would be a third). The speculator decides how many tokens each sequence may propose; the source says which."""
 
-    __slots__ = ("index", "accepted", "verified")
+    # True: asked once per step for every sequence (a model's passes batch them); False: asked one sequence at
+    # a time, so the rows one leaves unused go to the next
+    batched: bool
+
+    def propose(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """For each (sequence, n >= 1): up to n tokens to follow its last one ([]: none)."""
+        ...
+
+
+# allocate the KV slots of a sequence's last token and n proposed tokens; how many of the n got them
+Reserve = Callable[["Sequence", int], int]
+
+
+class SequenceSpeculation:
+    """One sequence's acceptance estimate (decayed counts of verified tokens) and its proposal source's
+    state (``source``: an n-gram index, or the draft model's bookkeeping)."""
+
+    __slots__ = ("source", "accepted", "verified")
 
     def __init__(self) -> None:
-        self.index = NgramIndex()
+        self.source: Any = None
         self.accepted = 0.0
         self.verified = 0.0
 
@@ -75,9 +95,9 @@ class SequenceSpeculation:
 class Speculator:
     """The engine's speculative decoding: proposals per step, and the counts /metrics shows."""
 
-    def __init__(self, config: SpeculativeConfig, grammars: Any = None) -> None:
+    def __init__(self, config: SpeculativeConfig, grammars: Any = None, source: ProposalSource | None = None) -> None:
         self.k = config.num_speculative_tokens
-        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.source = source or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.grammars = grammars  # Grammars: a constrained proposal ends at its first forbidden token
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -89,20 +109,40 @@ class Speculator:
         """Rows this step's pass can carry proposals in at no extra cost (0: the step runs as without)."""
         return min(budget, MAX_VERIFY_ROWS - num_decodes, -num_decodes % ROW_TILE)
 
-    def plan(self, decodes: list[Sequence], budget: int) -> list[tuple[Sequence, list[int]]]:
-        """Proposals for some of this step's decodes (most urgent first), within ``budget`` tokens."""
+    def plan(self, decodes: list[Sequence], budget: int,
+             reserve: Reserve | None = None) -> list[tuple[Sequence, list[int]]]:
+        """Proposals for some of this step's decodes (most urgent first), within ``budget`` tokens.
+        ``reserve`` (the scheduler's) allocates each proposal's KV slots, before a draft model writes them."""
+        reserve = reserve or (lambda seq, n: n)
         spare = self.spare_rows(len(decodes), budget)
         planned = []
-        for seq in decodes:
-            if spare <= 0:
-                break
-            draft = self._propose(seq, spare)
-            if draft:
-                planned.append((seq, draft))
-                spare -= len(draft)
-        return planned
+        if not self.source.batched:
+            for seq in decodes:
+                if spare <= 0:
+                    break
+                limit = self._limit(seq, spare)
+                draft = self._check(seq, self.source.propose([(seq, limit)])[0]) if limit > 0 else []
+                draft = draft[:reserve(seq, len(draft))] if draft else draft
+                if draft:
+                    planned.append((seq, draft))
+                    spare -= len(draft)
+        else:  # every sequence's share first, then one batched proposal
+            wants = []
+            for seq in decodes:
+                if spare <= 0:
+                    break
+                limit = self._limit(seq, spare)
+                limit = reserve(seq, limit) if limit > 0 else 0
+                if limit > 0:
+                    wants.append((seq, limit))
+                    spare -= limit
+            if wants:
+                planned = [(seq, self._check(seq, draft))
+                           for (seq, _), draft in zip(wants, self.source.propose(wants)) if draft]
+        return [(seq, draft) for seq, draft in planned if draft]
 
-    def _propose(self, seq: Sequence, spare: int) -> list[int]:
+    def _limit(self, seq: Sequence, spare: int) -> int:
+        """How many tokens ``seq`` may propose now (0: it rests)."""
         state = seq.speculation
         if state is None:
             state = seq.speculation = SequenceSpeculation()
@@ -111,10 +151,12 @@ class Speculator:
         limit = min(state.limit(self.k), spare, seq.max_num_tokens - seq.num_tokens - 1)
         if limit <= 0:
             state.rest()
-            return []
-        draft = state.index.propose(seq.token_ids, limit, self.min_n, self.max_n)
-        if draft and self.grammars is not None and seq.params.structured is not None:
-            draft = self.grammars.check_draft(seq, draft)
+        return max(limit, 0)
+
+    def _check(self, seq: Sequence, draft: list[int]) -> list[int]:
+        """A constrained proposal ends at its first token the grammar forbids."""
+        if self.grammars is not None and seq.params.structured is not None:
+            return self.grammars.check_draft(seq, draft)
         return draft
 
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
