@@ -15,7 +15,7 @@ except ImportError:
 
 # tests import helpers (tests/live_server.py, tests/hf_models.py) as top-level modules
 sys.path.insert(0, os.path.dirname(__file__))
-from real_model import smollm2_dir, smollm2_gguf  # noqa: E402,F401  (the real model: session fixtures)
+from real_model import smollm2_dir, smollm2_gguf, smollm2_hf_dir  # noqa: E402,F401  (the real model: session fixtures)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

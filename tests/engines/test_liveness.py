@@ -21,7 +21,6 @@ import pytest
 import trio
 
 from live_server import LiveServer
-from real_model import cache_dir
 from tidal.engines.client import EngineClient, EngineDead
 from tidal.engines.liveness import StepBound
 from tidal.wire import AddRequest, EngineConfig, SamplingParams, StepProgress
@@ -85,38 +84,6 @@ class _HealthPoller:
     def __exit__(self, *exc) -> None:
         self._stop = True
         self._thread.join()
-
-
-@pytest.fixture(scope="module")
-def smollm2_hf_dir(smollm2_gguf) -> str:
-    """The real model as a Hugging Face directory (bf16, dequantized from the GGUF), made once per machine."""
-    target = cache_dir() / "smollm2-135m-instruct-hf"
-    if not (target / "model.safetensors").exists():
-        import fcntl
-
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target.parent / ".smollm2-hf.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (target / "model.safetensors").exists():
-                _dequantize(smollm2_gguf, target)
-    return str(target)
-
-
-def _dequantize(gguf_path, target) -> None:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=name), dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict(tensors, strict=False)
-    model.tie_weights()
-    partial = target.with_name(target.name + ".partial")
-    model.to(torch.bfloat16).save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(target)
 
 
 def test_a_2000_token_prompt_to_the_real_model_on_a_1_s_heartbeat_is_answered(smollm2_hf_dir):

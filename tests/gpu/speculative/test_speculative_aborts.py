@@ -4,7 +4,9 @@ after every step.
 
 Rules for determinism: hypothesis picks the requests, the steps and the way each abort arrives (between
 steps, or mid-step through the pipe reader's path ``abort_arrived``, applied in the abort window); the
-engine is tidal-tiny with greedy requests whose prompts repeat, so most steps carry proposals."""
+engine is tidal-tiny with greedy requests whose prompts repeat, so most steps carry proposals. Both methods:
+n-gram lookup, and a draft model (tidal-tiny at int4) whose KV cache lives in the same blocks, so freeing
+the blocks frees it too."""
 
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ TEXT = "one two three four one two three four one two three four one two"
 _ids = itertools.count(1)
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=[SpeculativeConfig("ngram", 6, 1, 3),
+                                        SpeculativeConfig("draft_model", 6, model="tidal-tiny", quantization="int4")],
+                ids=["ngram", "draft"])
+def engine(request):
     return Engine(EngineConfig(model="tidal-tiny", num_kv_blocks=64, block_size=4, max_num_seqs=8,
-                               speculative=SpeculativeConfig("ngram", 6, 1, 3)))
+                               speculative=request.param))
 
 
 def held_blocks(engine: Engine) -> int:

@@ -1,9 +1,11 @@
-"""The engine with n-gram speculation against itself without: greedy output token for token the same (text,
-stops, lengths, logprobs), one output per token, and the books of what was proposed and accepted.
+"""The engine with speculation against itself without, by both methods (n-gram lookup, and a draft model:
+tidal-tiny quantized to int4 proposing for tidal-tiny, so most proposals are accepted and some are not):
+greedy output token for token the same (text, stops, lengths, logprobs), one output per token, and the
+books of what was proposed and accepted.
 
 Rules for determinism: tidal-tiny's weights are fixed; greedy sampling; the prompts repeat themselves so
-the proposer finds its n-grams and the model (which loops) accepts many of them; each test checks that
-proposals were accepted, so none passes by never speculating."""
+the n-gram proposer finds its n-grams and the model (which loops) accepts many of them; each test checks
+that proposals were accepted, so none passes by never speculating."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from tidal.gpu.engine import Engine
 from tidal.wire import AddRequest, EngineConfig, SamplingParams, SpeculativeConfig, StructuredOutput
 
 NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=4)
+DRAFT = SpeculativeConfig("draft_model", num_speculative_tokens=4, model="tidal-tiny", quantization="int4")
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
     "Copy this list: apples, pears, plums, apples, pears, plums, apples, pears,",
@@ -24,11 +27,13 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["auto", "float32"])
+@pytest.fixture(scope="module", params=[("auto", NGRAM), ("float32", NGRAM), ("auto", DRAFT), ("float32", DRAFT)],
+                ids=["auto-ngram", "float32-ngram", "auto-draft", "float32-draft"])
 def engines(request):
     """(without, with) speculation, each reused across tests (their requests all end, so they stay clean)."""
-    config = EngineConfig(model="tidal-tiny", dtype=request.param, num_kv_blocks=512, block_size=16)
-    return Engine(config), Engine(config.__class__(**{**_fields(config), "speculative": NGRAM}))
+    dtype, speculative = request.param
+    config = EngineConfig(model="tidal-tiny", dtype=dtype, num_kv_blocks=512, block_size=16)
+    return Engine(config), Engine(config.__class__(**{**_fields(config), "speculative": speculative}))
 
 
 def _fields(config: EngineConfig) -> dict:
