@@ -1,5 +1,6 @@
-"""Speculative decoding on the real model: SmolLM2-135M-Instruct's Q4_1 GGUF served twice, without and with
-``--speculative-config`` (n-gram, 4 tokens), one server per setting for the whole module. What a user
+"""Speculative decoding on the real model: SmolLM2-135M-Instruct's Q4_1 GGUF served without and with
+``--speculative-config`` (n-gram, 4 tokens; and a draft model: the same model as a bf16 directory), one
+server per setting for the whole module. What a user
 depends on: the same greedy tokens and the same logprobs with speculation as without, on both APIs,
 streamed and not, with n > 1; structured output still valid; and the counters showing that proposals
 were made and accepted (a prompt that asks the model to repeat a given text, where n-gram lookup pays).
@@ -13,6 +14,7 @@ import math
 
 import httpx
 import jsonschema
+import openai
 import pytest
 
 from live_server import LiveServer
@@ -42,6 +44,16 @@ def servers(smollm2_gguf, smollm2_dir, server_pool):
         server_pool.start(name, *args)
     yield [server_pool.get(name, *args) for name, args in names.items()]
     server_pool.release(*names)
+
+
+@pytest.fixture(scope="module")
+def draft_server(smollm2_gguf, smollm2_dir, smollm2_hf_dir, server_pool):
+    """The GGUF served with its bf16 twin as the draft model."""
+    spec = json.dumps({"method": "draft_model", "model": smollm2_hf_dir, "num_speculative_tokens": 3})
+    args = ("--model", str(smollm2_gguf), "--served-model-name", MODEL, "--max-model-len", "2048", "--no-ui",
+            "--vllm-metric-names", "--speculative-config", spec)
+    yield server_pool.get("smollm2-spec-draft", *args)
+    server_pool.release("smollm2-spec-draft")
 
 
 def post(server: LiveServer, path: str, body: dict) -> dict:
@@ -148,3 +160,28 @@ def test_json_schema_output_is_valid_and_the_same(servers):
     assert a["choices"][0]["message"] == b["choices"][0]["message"]
     assert on.metrics()["tidal:spec_decode_draft_tokens_total"] > before  # the grammar let proposals through
     on.wait_idle()
+
+
+def test_a_draft_model_through_the_openai_sdk(servers, draft_server):
+    """The same greedy answers as without speculation, streamed and not; most proposals accepted."""
+    off = servers[0]
+    before = draft_server.metrics()
+    with openai.OpenAI(base_url=off.url + "/v1", api_key="none", max_retries=0, timeout=300) as plain, \
+            openai.OpenAI(base_url=draft_server.url + "/v1", api_key="none", max_retries=0, timeout=300) as drafted:
+        for prompt in PROMPTS:
+            request = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 40,
+                       "temperature": 0, "logprobs": True}
+            a, b = plain.chat.completions.create(**request), drafted.chat.completions.create(**request)
+            assert b.choices[0].message.content == a.choices[0].message.content, prompt
+            assert [t.token for t in b.choices[0].logprobs.content] == [t.token for t in a.choices[0].logprobs.content]
+            assert_same_logprobs([t.logprob for t in a.choices[0].logprobs.content],
+                                 [t.logprob for t in b.choices[0].logprobs.content])
+            assert b.usage.completion_tokens == a.usage.completion_tokens
+        chunks = drafted.chat.completions.create(**request, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == a.choices[0].message.content
+    after = draft_server.metrics()
+    accepted = after["vllm:spec_decode_num_accepted_tokens_total"] - before["vllm:spec_decode_num_accepted_tokens_total"]
+    drafted_tokens = after["vllm:spec_decode_num_draft_tokens_total"] - before["vllm:spec_decode_num_draft_tokens_total"]
+    # the draft is the target at another precision: it proposes what the target picks, nearly always
+    assert drafted_tokens > 0 and accepted >= 0.7 * drafted_tokens
+    assert after["tidal:spec_decode_accepted_tokens_total"] == after["vllm:spec_decode_num_accepted_tokens_total"]
