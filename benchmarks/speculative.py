@@ -1,9 +1,10 @@
-"""Speculative decoding (n-gram) against none, in-process, alternating: output tokens per second of the
-engine's step loop on an input-grounded prompt set (repeat or edit a given text, answer from a given
-document), at a given concurrency, with the acceptance rate.
+"""Speculative decoding (n-gram, or a draft model with --draft) against none, in-process, alternating: output
+tokens per second of the engine's step loop on an input-grounded prompt set (repeat or edit a given text,
+answer from a given document), at a given concurrency, with the acceptance rate.
 
     python benchmarks/speculative.py --model /path/to/SmolLM2-135M-Instruct --concurrency 1 --rounds 3
     python benchmarks/speculative.py --model /path/to/SmolLM2-135M-Instruct.Q4_1.gguf --concurrency 16
+    python benchmarks/speculative.py --model /path/to/SmolLM2-135M-Instruct --draft /path/to/its.Q4_1.gguf --k 3
 
 Each round runs the whole prompt set (cycled up to --concurrency requests at once) without and then with
 speculation, on two engines loaded once; the order of the two sides alternates between rounds (off first,
@@ -76,12 +77,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--draft", default=None, help="a draft model (directory or .gguf): the draft_model method")
+    parser.add_argument("--draft-quantization", default=None, help="the draft's quantization (int8, int4, ...)")
     args = parser.parse_args()
     if args.model.endswith(".gguf"):  # the directory ``tidal serve --model FILE.gguf`` prepares from it
         args.model = prepare(args.model)
+    if args.draft is not None and args.draft.endswith(".gguf"):
+        args.draft = prepare(args.draft)
     base = EngineConfig(model=args.model, dtype=args.dtype, num_kv_blocks=2048, max_num_seqs=max(16, args.concurrency))
     fields = {name: getattr(base, name) for name in base.__struct_fields__}
-    spec = SpeculativeConfig("ngram", args.k, 2, 5)
+    spec = SpeculativeConfig("ngram", args.k, 2, 5) if args.draft is None else SpeculativeConfig(
+        "draft_model", args.k, model=args.draft, quantization=args.draft_quantization)
     off, on = Engine(base), Engine(EngineConfig(**{**fields, "speculative": spec}))
     prompts = [off.tokenizer.encode(chat(t)).ids for t in TASKS]
     # c=1 runs each task in turn; c>1 cycles the tasks over the concurrent requests
