@@ -124,7 +124,7 @@ class DraftProposer:
         assert spec is not None and spec.model is not None
         draft_config = msgspec.structs.replace(
             config, model=draft_model_dir(config), quantization=spec.quantization, num_kv_blocks=num_blocks,
-            max_model_len=None, max_loras=0, lora_modules=[], speculative=None, min_step_time=0.0)
+            max_model_len=None, max_loras=0, lora_modules=(), speculative=None, min_step_time=0.0)
         self.runner = ModelRunner(draft_config)
         self.max_model_len = self.runner.max_model_len  # the draft writes no position at or past it
         self.max_chunk = config.max_num_batched_tokens  # catch-up tokens per step, all sequences together
@@ -142,6 +142,7 @@ class DraftProposer:
                 state = seq.speculation.source = DraftState()  # type: ignore[union-attr]
             state.settle(seq.token_ids)
             total = seq.num_tokens
+            state.num_computed = min(state.num_computed, total - 1)  # the last token runs: its row proposes
             n = min(n, self.max_model_len - total + 1)  # the draft writes positions up to total + n - 2
             if n <= 0 or budget <= 0:
                 continue
