@@ -101,9 +101,10 @@ def make_model_dir(path: Path, config: dict) -> str:
 
 
 def random_model(model_dir: str, dtype: torch.dtype, device: torch.device, attention, tp=None,
-                 linear_weights: torch.dtype | None = None, quantize: str | None = None):
+                 linear_weights: torch.dtype | None = None, quantize: str | None = None,
+                 gguf_activation_bits: int = 16):
     """Stands in for ``model_loader.load_model`` (same signature): the same model class, random weights
-    drawn in place."""
+    drawn in place (never a GGUF file: ``gguf_activation_bits`` has nothing to apply to)."""
     if tp is not None:
         raise ValueError("gpu_decode.py runs one rank: no tensor parallelism")
     if quantize == "fp8" and not quantized_linear.fp8_runs_on(device):
