@@ -44,6 +44,19 @@ def pytest_sessionstart(session):
                     returncode=1)
 
 
+def pytest_unconfigure(config):
+    """Wait for in-process engines' grammar threads (xgrammar's set-up, compiles) before the interpreter exits.
+
+    A thread still in xgrammar's native code when finalization runs the C++ static destructors aborts the
+    process ("terminate called without an active exception"): the engine process avoids it with ``os._exit``
+    (tidal/gpu/__main__.py), and a test process that built engines in-process waits here instead."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name.startswith("tidal-grammar"):
+            thread.join(timeout=60)
+
+
 @pytest.fixture(scope="session")
 def server_pool():
     """Live ``tidal serve`` processes shared by name across the run (tests/live_server.py's ServerPool)."""
