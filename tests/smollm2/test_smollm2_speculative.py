@@ -128,6 +128,24 @@ def test_the_grounded_prompt_is_repeated_and_accepted(servers):
     assert off.metrics()["tidal:spec_decode_drafts_total"] == 0
 
 
+def test_a_repeated_answer_is_proposed_from_the_pool_shared_across_requests(servers):
+    """A question asked again (a new request, with nothing to copy in its prompt) is answered the same, and
+    its proposals come from the first answer's n-grams: far more accepted the second time."""
+    off, on = servers
+    body = {"messages": [{"role": "user", "content": "Describe a lighthouse at night in two sentences."}],
+            "max_tokens": 48}
+
+    def accepted_by(request: dict) -> tuple[str, float]:
+        before = on.metrics()["vllm:spec_decode_num_accepted_tokens_total"]
+        text = post(on, "/v1/chat/completions", request)["choices"][0]["message"]["content"]
+        return text, on.metrics()["vllm:spec_decode_num_accepted_tokens_total"] - before
+
+    first_text, first = accepted_by(body)
+    second_text, second = accepted_by(body)
+    assert second_text == first_text == post(off, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    assert second >= first + 10, (first, second)
+
+
 def test_completions_with_n_choices_streamed_and_not(servers):
     off, on = servers
     body = {"prompt": f"{TEXT}\n\nThe same text again, word for word:\n\n{TEXT[:30]}", "max_tokens": 32, "n": 2,
