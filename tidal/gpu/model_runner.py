@@ -86,7 +86,9 @@ class ModelRunner:
             self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, self.attention,
                                                        self.tp, self.linear_weights, config.quantization,
                                                        activation_bits)
-            if why and getattr(self.model, "gguf_note", None) and "native" in self.model.gguf_note:
+            if why and getattr(self.model, "gguf_note", None) and any(  # a GGUF whose integers stayed integers
+                    getattr(m, "int_packed", None) is not None and m.int_packed.activation_bits == 8
+                    for m in self.model.modules()):
                 self.dtype_reason += "; " + why
             self.dtype_reason += quantized_weights_note(self.model)
         mc = self.model_config
