@@ -2,7 +2,7 @@
 
 Servers: the slow ``tidal-test`` model (every step >= 50 ms, so a long answer streams for
 minutes), one sequence at a time and no queue: a second request is refused with a 503; the same
-with an API key; and a fast one (10 ms a step: a 3,000-token answer streams at ~100 chunks a
+with an API key; and a fast one (5 ms a step: a 3,000-token answer streams at ~200 chunks a
 second, faster than a screen refreshes), which the last test stops to see the page notice.
 
 Set TIDAL_UI_SCREENSHOT=docs/ui.png to save the page (after a stop) where docs/ui.md shows it.
@@ -27,7 +27,7 @@ SERVER_FLAGS = ("--model", "tidal-test", "--min-step-time", "0.05", "--max-num-s
                 "--tokenizer-workers", "1")
 
 
-FAST_FLAGS = ("--model", "tidal-test", "--min-step-time", "0.01", "--max-num-seqs", "2",
+FAST_FLAGS = ("--model", "tidal-test", "--min-step-time", "0.005", "--max-num-seqs", "2",
               "--num-kv-blocks", "512", "--engine-threads", "1", "--tokenizer-workers", "1")
 LONG_ANSWER = 3000
 
@@ -244,7 +244,7 @@ def test_a_3000_token_answer_is_appended_once_a_frame_and_stop_works_at_any_poin
     open_page(browser, server)
     browser.execute_script(WATCH_DRAWING)
     # Stop near the start, in the middle and near the end of a 3,000-token answer streaming at
-    # ~100 chunks a second: each time the answer stops growing at the click, and the server aborts it.
+    # ~200 chunks a second: each time the answer stops growing at the click, and the server aborts it.
     for point in (10, 1000, 2000, 2700):
         new_chat(browser)  # the next question carries no 3,000-token history
         server.wait_idle()
