@@ -3,6 +3,13 @@ import sys
 
 import pytest
 
+# The suite runs on two xdist workers (pyproject's addopts). Each gets one OpenMP thread, set before torch is
+# imported and inherited by the servers it starts: two workers each running two-thread kernels on two cores
+# spend their time in OpenMP barriers waiting for a preempted thread (measured: 35 minutes against 20 serial).
+# Tests about threading set their own counts.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Without a GPU, Triton kernels can only run in its interpreter, and TRITON_INTERPRET must be
 # set before triton is first imported (transformers may import it early).
 try:
@@ -42,6 +49,23 @@ def pytest_sessionstart(session):
 
         pytest.exit(f"TIDAL_REQUIRE_KERNELS=1 but the CPU kernels did not build:\n{kernels.load_failure()}",
                     returncode=1)
+
+
+# The longest files (minutes each, measured), handed to the workers first: files are dealt in collection order,
+# and a long one dealt last would leave one worker busy while the other idles.
+RUN_FIRST = ("gpu/parallel/test_tensor_parallel.py", "smollm2/test_smollm2_parity.py", "ui/test_ui_browser.py",
+             "engines/test_liveness.py", "gpu/cpu/test_lora_cpu.py", "test_cli.py", "hardening/test_openapi_fuzz.py",
+             "smollm2/test_smollm2_draft_model.py", "engines/test_data_parallel.py", "api/test_api_quantized.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    tests_dir = os.path.dirname(__file__)
+
+    def rank(item) -> int:
+        path = os.path.relpath(str(item.path), tests_dir)
+        return RUN_FIRST.index(path) if path in RUN_FIRST else len(RUN_FIRST)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
 
 
 def pytest_unconfigure(config):

@@ -82,6 +82,21 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def child_processes(pid: int, marker: str) -> list:
+    """The live children of ``pid`` whose command line holds ``marker`` (psutil.Process, by pid). A child that
+    exits while it is read (a server's short-lived helper: a zombie until reaped) is no match, not an error."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(pid).children():
+        try:
+            if marker in " ".join(child.cmdline()):
+                found.append(child)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return sorted(found, key=lambda c: c.pid)
+
+
 READY_LINE = "tidal ready:"
 STARTS_AT_ONCE = int(os.environ.get("TIDAL_TEST_SERVER_STARTS", "2"))
 LOG_TAIL_LINES = 40
@@ -237,10 +252,7 @@ class LiveServer:
         return self.process.returncode
 
     def engine_pid(self) -> int:
-        import psutil
-
-        children = psutil.Process(self.process.pid).children()
-        return next(c.pid for c in children if "tidal.gpu" in " ".join(c.cmdline()))
+        return next(c.pid for c in child_processes(self.process.pid, "tidal.gpu"))
 
     def metrics(self) -> dict[str, float]:
         return parse_metrics(self.client.get(self.url + "/metrics").text)

@@ -100,7 +100,7 @@ def test_sigterm_while_the_engine_starts_stops_within_the_drain_bound(tmp_path):
     import subprocess
     import sys
 
-    from live_server import free_port
+    from live_server import child_processes, free_port
 
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
@@ -112,8 +112,7 @@ def test_sigterm_while_the_engine_starts_stops_within_the_drain_bound(tmp_path):
         engine = None
         while engine is None:  # the engine process is starting: the frontend's signal handler is set
             assert time.monotonic() < deadline and process.poll() is None, log.read_text()
-            engine = next((c for c in psutil.Process(process.pid).children()
-                           if "tidal.gpu" in " ".join(c.cmdline())), None)
+            engine = next(iter(child_processes(process.pid, "tidal.gpu")), None)
             time.sleep(0.02)
         assert "tidal ready" not in log.read_text()
         process.send_signal(signal.SIGTERM)

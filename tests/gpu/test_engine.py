@@ -310,14 +310,15 @@ def test_the_first_output_carries_the_engines_stamps_in_order_and_only_the_first
     assert first.prefill_chunks == sorted(first.prefill_chunks) and first.sampled_at >= first.prefill_chunks[-1]
 
 
-def test_a_cpu_step_below_the_one_thread_bound_runs_on_one_thread_and_gives_the_threads_back(hf_model_dir):
+def test_a_cpu_step_below_the_one_thread_bound_runs_on_one_thread_and_gives_the_threads_back(hf_model_dir, request):
     """A CPU pass multiplying fewer than ONE_THREAD_MACS weights (rows x the weights of one row) runs on one
     thread; at the bound and above on all; after the pass the caller's thread count is back."""
     from tidal.gpu.model_runner import ONE_THREAD_MACS
 
-    threads = torch.get_num_threads()
-    if threads < 2:
-        pytest.skip("torch runs one thread here: nothing to drop to")
+    threads = max(2, torch.get_num_threads())  # the suite's workers run one thread: give it two to drop from
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    request.addfinalizer(lambda: torch.set_num_threads(before))
     engine = Engine(EngineConfig(model=hf_model_dir("llama"), dtype="float32", enable_prefix_caching=False))
     runner = engine.runner
     assert 0 < runner.row_macs < ONE_THREAD_MACS  # a tiny model: one decode row is below the bound

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hf_models import hf_greedy, load_hf_model, tokenizer_vocab_size
-from live_server import LiveServer, free_rendezvous_ports
+from live_server import LiveServer, child_processes, free_rendezvous_ports
 from tidal.gpu.engine import Engine
 from tidal.wire import AddRequest, EngineConfig, SamplingParams
 
@@ -133,7 +133,7 @@ def served_model(tmp_path_factory):
 
 
 def rank_pids(engine_pid: int) -> list[int]:
-    return [c.pid for c in psutil.Process(engine_pid).children() if "tidal.gpu.parallel.worker" in " ".join(c.cmdline())]
+    return [c.pid for c in child_processes(engine_pid, "tidal.gpu.parallel.worker")]
 
 
 @pytest.mark.slow
@@ -245,8 +245,7 @@ def test_two_replicas_of_two_ranks_each_meet_at_their_own_port_and_both_serve():
 
     port = free_rendezvous_ports(2)
     with LiveServer(*TP_FLAGS, "--data-parallel-size", "2", "--master-port", str(port)) as server:
-        engines = sorted((c for c in psutil.Process(server.process.pid).children()
-                          if "tidal.gpu" in " ".join(c.cmdline())), key=lambda c: c.pid)
+        engines = child_processes(server.process.pid, "tidal.gpu")
         assert len(engines) == 2 and all(len(rank_pids(e.pid)) == 1 for e in engines)
         listening = [{c.laddr.port for c in e.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
                      for e in engines]
