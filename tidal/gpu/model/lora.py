@@ -273,6 +273,11 @@ class LoraSlots:
                 linear.lora = LoraWeights(torch.zeros(width, in_features, dtype=self.dtype, device=self.device), b,
                                           parts, sizes[fused], max_rank, self.ranks,
                                           pack_lora_b(b, sizes[fused], max_rank) if self._kernel == "cpu" else None)
+        if self._kernel == "cpu":  # what a step streams, in 2 MiB pages as the base weights are (huge_pages.py)
+            from tidal.gpu.cpu import huge_pages
+
+            huge_pages.place([(self._linear(layer, fused).lora, name) for layer in self._layers
+                              for fused in FUSED_PARTS for name in ("a", "b_packed")])
         if self._kernel == "cpu" and hasattr(model, "use_lora"):
             model.use_lora(self.ranks, max_rank)  # adapter rows stay on its one-call decoder stack
 
