@@ -24,6 +24,7 @@ CASES = [  # (rows' slots, ranks of the slots, part sizes, K, max rank)
     ([-1, -1], [8], (40, 40), 48, 8),  # no adapter row: nothing changes
     ([0, 1, 0, 1, 3, 3, 3, 3, 3, -1, 0], [2, 16, 16, 5], (33, 31), 57, 16),  # N off the widths, a tile tail of rows
     ([0] * 18 + [1, -1, 1], [5, 16], (80, 200), 72, 16),  # 18 rows of one slot (two tasks); 5 and 13 blocks
+    ([t % 4 for t in range(15)] + [-1], [16, 16, 8, 16], (576, 576), 576, 16),  # enough work for every thread
 ]
 
 

@@ -43,16 +43,17 @@ struct RowsBySlot {
   std::vector<int64_t> rows, starts;
 };
 
-RowsBySlot rows_by_slot(const int32_t* slots, int64_t m, int64_t num_slots) {
-  RowsBySlot by{std::vector<int64_t>(), std::vector<int64_t>(num_slots + 1, 0)};
+// Into `by`, whose vectors keep their capacity from call to call (a decode step makes 4 calls a layer).
+void rows_by_slot(const int32_t* slots, int64_t m, int64_t num_slots, RowsBySlot& by) {
+  by.starts.assign(num_slots + 1, 0);
   for (int64_t t = 0; t < m; ++t)
     if (slots[t] >= 0) ++by.starts[slots[t] + 1];
   for (int64_t s = 0; s < num_slots; ++s) by.starts[s + 1] += by.starts[s];
   by.rows.resize(by.starts[num_slots]);
-  std::vector<int64_t> next(by.starts.begin(), by.starts.end() - 1);
-  for (int64_t t = 0; t < m; ++t)
-    if (slots[t] >= 0) by.rows[next[slots[t]]++] = t;
-  return by;
+  for (int64_t t = 0; t < m; ++t)  // the count of rows placed so far, in each slot's next start
+    if (slots[t] >= 0) by.rows[by.starts[slots[t]]++] = t;
+  for (int64_t s = num_slots; s > 0; --s) by.starts[s] = by.starts[s - 1];  // each next start is the slot's end
+  by.starts[0] = 0;
 }
 
 // *h[r] = x[r] . a (one A row of `k`) for `count` rows: dot products on eight-float vectors, float sums.
@@ -310,11 +311,17 @@ void check_lora_slots(const int32_t* slots, int64_t m, int64_t num_slots) {
 
 template <typename T>
 void lora_add_rows(const T* x, int64_t m, const int32_t* slots, const LoraLinear& w, T* out) {
-  const RowsBySlot by = rows_by_slot(slots, m, w.num_slots);
+  // the call's bookkeeping, reused by the calling thread's next call: no allocation per call once warm. Named
+  // through references: inside the parallel body, a thread_local's own name would be the worker's copy.
+  thread_local RowsBySlot by_storage;
+  thread_local std::vector<LoraTask> tasks_storage;
+  RowsBySlot& by = by_storage;
+  std::vector<LoraTask>& tasks = tasks_storage;
+  rows_by_slot(slots, m, w.num_slots, by);
   if (by.rows.empty()) return;
   const int64_t parts = static_cast<int64_t>(w.part_sizes.size());
   const int32_t* ranks = w.ranks.data_ptr<int32_t>();
-  std::vector<LoraTask> tasks;
+  tasks.clear();
   int64_t multiply_adds = 0;
   for (int64_t s = 0; s < w.num_slots; ++s) {
     const int64_t count = by.starts[s + 1] - by.starts[s], rank = std::min<int64_t>(ranks[s], w.max_rank);
@@ -325,7 +332,8 @@ void lora_add_rows(const T* x, int64_t m, const int32_t* slots, const LoraLinear
   }
   parallel_claims(static_cast<int64_t>(tasks.size()), 1, linear_threads(multiply_adds),
                   [&](int64_t begin, int64_t end, int64_t) {
-                    std::vector<float> h(kRowTile * w.max_rank);
+                    thread_local std::vector<float> h;  // each thread's own
+                    h.resize(kRowTile * w.max_rank);
                     for (int64_t t = begin; t < end; ++t)
                       run_task<T>(tasks[t], x, w, by, std::min<int64_t>(ranks[tasks[t].slot], w.max_rank), h.data(),
                                   out);
