@@ -2,6 +2,7 @@
 a smoke check that the served adapter says what transformers + peft with it merged says.
 
     python benchmarks/lora.py --model /path/to/hf-model-dir [--rounds 2] [--output-len 64]
+    python benchmarks/lora.py --model /path/to/hf-model-dir --in-process [--rounds 5] [--steps 20] [--batch 16]
 
 Makes four rank-16 adapters of the model offline with peft (random A and B), then:
 
@@ -12,6 +13,12 @@ Makes four rank-16 adapters of the model offline with peft (random A and B), the
 3. load time: ``POST /v1/load_lora_adapter`` of a fifth rank-16 adapter (every replica reads and checks it)
    and the engine's read alone (``read_adapter``, in this process).
 
+``--in-process`` times the model's decode step alone instead (forward + logits, the one-call decoder stack, the
+dtype the server's ``--dtype auto`` picks): ``--batch`` rows over the 4 adapters (row i through adapter i % 4)
+against the same rows through the base model, and one row through adapter 0 against one base row, the sides
+alternating ``--rounds`` times; the median step of each and their ratio. No server, scheduler or sampler: the
+kernel's share of a step, for iterating on csrc/lora.cpp.
+
 Prints one line per figure. On a loaded host only the ratios of sides measured alternately mean anything.
 """
 
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import os
 import socket
 import statistics
@@ -122,15 +130,81 @@ def smoke(model_dir: str, adapter: str) -> None:
           f"transformers+peft merged (float32); through a0: {tokenizer.decode(served)!r}; base: {base!r}")
 
 
+def in_process(model_dir: str, adapters: list[str], rounds: int, steps: int, batch: int) -> None:
+    """The decode step alone, base rows against adapter rows, alternating (module docstring)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from decode_step import BLOCK_SIZE, decode_batch
+
+    from tidal.gpu.cpu import huge_pages
+    from tidal.gpu.model.attention import TorchPagedAttention
+    from tidal.gpu.model.config import ModelConfig
+    from tidal.gpu.model.loader import checkpoint_weight_dtype, load_model
+    from tidal.gpu.model.lora import LoraSlots, read_adapter
+    from tidal.gpu.model.precision import resolve_precision
+
+    precision = resolve_precision("auto", torch.device("cpu"), checkpoint_weight_dtype(model_dir))
+    model, config = load_model(model_dir, precision.dtype, torch.device("cpu"), TorchPagedAttention("cpu"),
+                               linear_weights=precision.linear_weights)
+    slots = LoraSlots(model, 4, 16)
+    slots.place({i: read_adapter(f"a{i}", path, ModelConfig.from_dir(model_dir), 16)
+                 for i, path in enumerate(adapters[:4])})
+    context = 128
+    shape = (batch * (context // BLOCK_SIZE + 1), BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    flat = huge_pages.zeros(shape, precision.dtype, 2 * config.num_layers)
+    for cache in flat:
+        cache.copy_(torch.randn(shape))
+    caches = list(zip(flat[::2], flat[1::2]))
+    sides = {}
+    for rows in (batch, 1):
+        base = decode_batch(rows, context, config.vocab_size)
+        adapted = dataclasses.replace(base, lora=slots.rows([(slots.slot_of[i % 4], 1) for i in range(rows)], rows))
+        sides[rows] = {"base": base, "lora": adapted}
+    times: dict[tuple[int, str], list[float]] = {(rows, side): [] for rows in sides for side in ("base", "lora")}
+
+    def step(fb) -> float:
+        start = time.perf_counter()
+        model.compute_logits(model(fb, caches)[fb.logits_indices])
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        for rows, pair in sides.items():  # warm-up
+            for fb in pair.values():
+                for _ in range(3):
+                    step(fb)
+        for _ in range(rounds):  # step by step, the sides alternating: a burst of load hits both
+            for rows, pair in sides.items():
+                for _ in range(steps):
+                    for side, fb in pair.items():
+                        times[rows, side].append(step(fb))
+    flags = sorted({f for f in open("/proc/cpuinfo").read().split() if f in ("avx2", "avx512_bf16", "amx_bf16")})
+    print(f"in-process decode step, {precision.dtype}, {torch.get_num_threads()} threads, host {' '.join(flags)}, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    for rows in sides:
+        base, lora = (statistics.median(times[rows, side]) for side in ("base", "lora"))
+        fastest = {side: min(times[rows, side]) for side in ("base", "lora")}
+        print(f"{rows} rows: median step base {base * 1e3:.2f} ms, through {min(rows, 4)} adapter(s) "
+              f"{lora * 1e3:.2f} ms (+{(lora - base) * 1e3:.2f}): base / lora {base / lora:.3f}; fastest "
+              f"{fastest['base'] * 1e3:.2f} and {fastest['lora'] * 1e3:.2f} ms "
+              f"({fastest['base'] / fastest['lora']:.3f}); {len(times[rows, 'base'])} steps a side")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a Hugging Face model directory")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--skip-smoke", action="store_true")
+    parser.add_argument("--in-process", action="store_true", help="time the decode step alone (module docstring)")
+    parser.add_argument("--steps", type=int, default=20, help="--in-process: steps timed per side and round")
+    parser.add_argument("--batch", type=int, default=16, help="--in-process: rows of the many-rows step")
+    parser.add_argument("--threads", type=int, default=0, help="--in-process: torch threads (0: torch's default)")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="tidal-lora-bench-")
-    adapters = [make_adapter(args.model, os.path.join(root, f"a{i}"), seed=i) for i in range(5)]
+    adapters = [make_adapter(args.model, os.path.join(root, f"a{i}"), seed=i) for i in range(4 if args.in_process else 5)]
+    if args.in_process:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return in_process(args.model, adapters, args.rounds, args.steps, args.batch)
     if not args.skip_smoke:
         smoke(args.model, adapters[0])
     modules = [f"a{i}={adapters[i]}" for i in range(4)]

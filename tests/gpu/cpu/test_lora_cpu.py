@@ -1,7 +1,9 @@
 """The CPU LoRA kernel (csrc/lora.cpp) adds each row's own slot's B (A x) to a linear's output: against a float64
 torch reference on rows of several adapters and of none (left exactly as they were), ranks below the bound, fused
-outputs of one, two and three parts, K and N off the vector widths, float32 and bf16. Every weight the layout says
-a slot does not own (rows past its rank, B columns of another part) holds garbage: the kernel must not read it.
+outputs of one, two and three parts, K and N off the vector widths, parts of several 64-column tiles and a tail,
+a slot with more rows than one task takes, float32 and bf16. B is packed as LoraSlots packs it (pack_lora_b). Every
+weight the layout says a slot does not own (rows past its rank, B columns of another part, the padding of a part's
+last packed block) holds garbage: the kernel must not read it.
 The AVX2 build (TIDAL_CPU_ISA=avx2: no AVX512-BF16 dot products) is checked against the same reference."""
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import pytest
 import torch
 
 from tidal.gpu.cpu import kernels
+from tidal.gpu.model.lora import pack_lora_b
 
 CASES = [  # (rows' slots, ranks of the slots, part sizes, K, max rank)
     ([0, -1, 2, 2, 1, -1, 0, 2, 2, 2], [16, 3, 7], (64, 24, 24), 64, 16),  # a fused qkv, ranks below the bound
     ([1], [4, 8], (96,), 100, 8),  # one row, K off every vector width
     ([-1, -1], [8], (40, 40), 48, 8),  # no adapter row: nothing changes
     ([0, 1, 0, 1, 3, 3, 3, 3, 3, -1, 0], [2, 16, 16, 5], (33, 31), 57, 16),  # N off the widths, a tile tail of rows
+    ([0] * 18 + [1, -1, 1], [5, 16], (80, 200), 72, 16),  # 18 rows of one slot (two tasks); 5 and 13 blocks
+    ([t % 4 for t in range(15)] + [-1], [16, 16, 8, 16], (576, 576), 576, 16),  # enough work for every thread
 ]
 
 
@@ -42,6 +47,16 @@ def case_tensors(case: int, dtype: torch.dtype):
     out = torch.randn(len(slots), n, generator=generator).to(dtype)
     return (out, x, a, b, torch.tensor(slots, dtype=torch.int32), torch.tensor(ranks, dtype=torch.int32),
             list(part_sizes), max_rank)
+
+
+def packed(b: torch.Tensor, part_sizes: list[int], max_rank: int) -> torch.Tensor:
+    """``b`` packed for the kernel, the padding past each part's columns garbage."""
+    own = pack_lora_b(torch.ones_like(b), tuple(part_sizes), max_rank)
+    return torch.where(own == 1, pack_lora_b(b, tuple(part_sizes), max_rank), torch.full_like(own, 1e4))
+
+
+def lora_add(ops, out, x, a, b, slots, ranks, part_sizes, max_rank) -> torch.Tensor:
+    return ops.lora_add_(out, x, a, packed(b, part_sizes, max_rank), slots, ranks, part_sizes, max_rank)
 
 
 def reference(out, x, a, b, slots, ranks, part_sizes, max_rank) -> torch.Tensor:
@@ -76,7 +91,7 @@ def outputs(ops) -> list[torch.Tensor]:
     for case in range(len(CASES)):
         for dtype in (torch.float32, torch.bfloat16):
             tensors = case_tensors(case, dtype)
-            results.append(ops.lora_add_(tensors[0].clone(), *tensors[1:]))
+            results.append(lora_add(ops, tensors[0].clone(), *tensors[1:]))
     return results
 
 
@@ -84,7 +99,7 @@ def outputs(ops) -> list[torch.Tensor]:
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_each_row_adds_its_own_slots_product(ops, case, dtype):
     out, *rest = case_tensors(case, dtype)
-    got = ops.lora_add_(out.clone(), *rest)
+    got = lora_add(ops, out.clone(), *rest)
     check(got, out, reference(out, *rest), rest[3])
 
 
@@ -93,7 +108,7 @@ def test_a_slot_out_of_range_is_refused_before_any_write(ops):
     slots[3] = len(ranks)
     before = out.clone()
     with pytest.raises(RuntimeError, match="row 3's LoRA slot 3 is not -1 or below 3"):
-        ops.lora_add_(out, x, a, b, slots, ranks, part_sizes, max_rank)
+        lora_add(ops, out, x, a, b, slots, ranks, part_sizes, max_rank)
     assert torch.equal(out, before)
 
 

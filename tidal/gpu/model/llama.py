@@ -227,13 +227,13 @@ class LlamaForCausalLM(nn.Module):
 
     def use_lora(self, ranks: torch.Tensor, max_rank: int) -> None:
         """Let the decoder stack run rows through LoRA adapters: every decoder Linear's ``lora`` (lora.LoraSlots,
-        which calls this once its weights exist) is handed to it, held, not copied."""
+        which calls this once its weights exist: A and the packed B) is handed to it, held, not copied."""
         if self._decoder_stack is None:
             return
         tensors = []
         for layer in self.model.layers:
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                tensors += [linear.lora.a, linear.lora.b]
+                tensors += [linear.lora.a, linear.lora.b_packed]
         self._decoder_stack.use_lora(tensors, ranks, max_rank)
         self._stack_lora = True
 

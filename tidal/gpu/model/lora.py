@@ -11,7 +11,8 @@ qkv_proj, gate/up of gate_up_proj) owns ranks ``[(s * parts + p) * R, ... + r)``
 with non-zero columns only in that part's slice of the fused output. The base weights are read once for all
 rows; each row then adds its own slot's ``B (A x)``, a base-model row (slot -1) nothing. A kernel reads only
 each row's own slot, its adapter's ranks and each part's columns: on a CPU csrc/lora.cpp (which the one-call
-decoder stack runs too), on a CUDA GPU with triton tidal/kernels/lora.py. Without either, the batch's rows x
+decoder stack runs too) on B packed for it as well (``pack_lora_b``: each part's columns in blocks of 16, a
+block's ranks side by side, so a part's B is one sequential read), on a CUDA GPU with triton tidal/kernels/lora.py. Without either, the batch's rows x
 and their slots' one-hot mask give ``out += ((x @ A.T) * onehot) @ B``, every slot's product masked.
 """
 
@@ -196,7 +197,7 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, linear, rows: LoraRows) -> torc
     if rows.kernel == "cpu":  # each row reads only its own slot (csrc/lora.cpp)
         from tidal.gpu.cpu.kernels import load_cpu_ops
 
-        return load_cpu_ops().lora_add_(out, x.contiguous(), weights.a, weights.b, rows.slots, weights.ranks,
+        return load_cpu_ops().lora_add_(out, x.contiguous(), weights.a, weights.b_packed, rows.slots, weights.ranks,
                                         list(weights.part_sizes), weights.max_rank)
     if rows.kernel == "triton":  # the same on CUDA
         from tidal import kernels
@@ -218,10 +219,30 @@ class LoraWeights:
     part_sizes: tuple[int, ...]  # the fused output's slice of each part
     max_rank: int
     ranks: torch.Tensor  # [slots] int32: each slot's adapter's rank (rows past it are zero), shared by all Linears
+    b_packed: torch.Tensor | None = None  # B as csrc/lora.cpp reads it (pack_lora_b), where that kernel runs
 
     @property
     def slot_width(self) -> int:
         return self.parts * self.max_rank
+
+
+LORA_BLOCK = 16  # output columns per block of a packed B (csrc/ops.h kLoraBlock)
+
+
+def pack_lora_b(b: torch.Tensor, part_sizes: tuple[int, ...], max_rank: int) -> torch.Tensor:
+    """``b`` [slots * parts * max_rank, out] (LoraWeights.b) as csrc/lora.cpp reads it: [slots, blocks, max_rank,
+    16], each part's columns in blocks of 16 (its last zero-padded, the next part's starting a new block), and in a
+    block each rank's 16 columns side by side. Only each part's own columns are kept: its B rows are zero elsewhere."""
+    parts = len(part_sizes)
+    slots = b.shape[0] // (parts * max_rank)
+    rows = b.view(slots, parts, max_rank, b.shape[1])
+    packed, column = [], 0
+    for part, size in enumerate(part_sizes):
+        blocks = -(-size // LORA_BLOCK)
+        own = torch.nn.functional.pad(rows[:, part, :, column:column + size], (0, blocks * LORA_BLOCK - size))
+        packed.append(own.view(slots, max_rank, blocks, LORA_BLOCK).transpose(1, 2))
+        column += size
+    return torch.cat(packed, dim=1).contiguous()
 
 
 class LoraSlots:
@@ -248,9 +269,15 @@ class LoraSlots:
                 width = num_slots * parts * max_rank
                 in_features = attn.q_size if fused == "o_proj" else (
                     layer.mlp.intermediate_size if fused == "down_proj" else model.config.hidden_size)
-                linear.lora = LoraWeights(torch.zeros(width, in_features, dtype=self.dtype, device=self.device),
-                                          torch.zeros(width, sum(sizes[fused]), dtype=self.dtype, device=self.device),
-                                          parts, sizes[fused], max_rank, self.ranks)
+                b = torch.zeros(width, sum(sizes[fused]), dtype=self.dtype, device=self.device)
+                linear.lora = LoraWeights(torch.zeros(width, in_features, dtype=self.dtype, device=self.device), b,
+                                          parts, sizes[fused], max_rank, self.ranks,
+                                          pack_lora_b(b, sizes[fused], max_rank) if self._kernel == "cpu" else None)
+        if self._kernel == "cpu":  # what a step streams, in 2 MiB pages as the base weights are (huge_pages.py)
+            from tidal.gpu.cpu import huge_pages
+
+            huge_pages.place([(self._linear(layer, fused).lora, name) for layer in self._layers
+                              for fused in FUSED_PARTS for name in ("a", "b_packed")])
         if self._kernel == "cpu" and hasattr(model, "use_lora"):
             model.use_lora(self.ranks, max_rank)  # adapter rows stay on its one-call decoder stack
 
@@ -291,6 +318,11 @@ class LoraSlots:
                 a, b = pair
                 weights.a[start:start + adapter.rank].copy_(a)
                 weights.b[start:start + adapter.rank, column:column + weights.part_sizes[part]].copy_(b.t())
+            for fused in FUSED_PARTS:
+                weights = self._linear(layer, fused).lora
+                if weights.b_packed is not None:
+                    rows = slice(slot * weights.slot_width, (slot + 1) * weights.slot_width)
+                    weights.b_packed[slot].copy_(pack_lora_b(weights.b[rows], weights.part_sizes, self.max_rank)[0])
         self.ranks[slot] = adapter.rank
 
     def rows(self, slots_of_entries: list[tuple[int | None, int]], num_rows: int) -> LoraRows | None:

@@ -127,8 +127,8 @@ class DecoderStack : public torch::CustomClassHolder {
     }
   }
 
-  // LoRA slots on every linear (tidal/gpu/model/lora.py's LoraSlots): per layer the A and B of qkv, o, gate_up and
-  // down in that order, the slots' ranks [slots] int32 (shared by all; written in place as adapters are placed)
+  // LoRA slots on every linear (tidal/gpu/model/lora.py's LoraSlots): per layer the A and packed B (pack_lora_b) of
+  // qkv, o, gate_up and down in that order, the slots' ranks [slots] int32 (shared by all; written in place as adapters are placed)
   // and max_rank. The tensors are held, not copied: a slot written from Python is what the next forward reads.
   void use_lora(std::vector<at::Tensor> tensors, at::Tensor ranks, int64_t max_rank) {
     TORCH_CHECK(tensors.size() == layers_.size() * 8, "expected A and B of 4 linears per layer");

@@ -68,13 +68,16 @@ void linear_int_a8_into(const float* x, int64_t m, const A8Linear& w, float* out
 std::string linear_int_a8_isa();  // the dot products it runs on this CPU: "avx512_vnni", "avx2", or "" (none)
 
 // lora.cpp: each row's own LoRA product added to a linear's output. One fused linear's slots, checked once (A
-// [slots * width, K], B [slots * width, N], width = parts * max_rank; ranks [slots] int32, read at every call so a
-// slot's new adapter is seen), then rows x [m, K] contiguous, slots [m] (-1: none; check_lora_slots first) and out
-// [m, N] contiguous, updated in place.
+// [slots * width, K], width = parts * max_rank; B packed [slots, blocks, max_rank, kLoraBlock], lora.cpp's layout;
+// ranks [slots] int32, read at every call so a slot's new adapter is seen), then rows x [m, K] contiguous, slots
+// [m] (-1: none; check_lora_slots first) and out [m, N] contiguous, updated in place.
+constexpr int64_t kLoraBlock = 16;  // output columns per packed block of B
 struct LoraLinear {
   at::Tensor a, b, ranks;
-  std::vector<int64_t> part_sizes;  // the columns of each part of the fused output
-  int64_t max_rank, k, n, num_slots;
+  std::vector<int64_t> part_sizes;   // the columns of each part of the fused output
+  std::vector<int64_t> part_starts;  // each part's first column, then N
+  std::vector<int64_t> part_blocks;  // each part's first packed block, then the blocks of a slot
+  int64_t max_rank, k, n, num_slots, blocks;
 };
 LoraLinear lora_linear(const at::Tensor& a, const at::Tensor& b, const at::Tensor& ranks,
                        std::vector<int64_t> part_sizes, int64_t max_rank);
