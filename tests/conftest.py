@@ -60,6 +60,13 @@ RUN_FIRST = ("gpu/parallel/test_tensor_parallel.py", "smollm2/test_smollm2_parit
 
 def pytest_collection_modifyitems(session, config, items):
     tests_dir = os.path.dirname(__file__)
+    for item in items:
+        # schemathesis' per-operation items are named "test[POST /v1/...]" but, under pytest 9.2, all get the bare
+        # function's node id (pytest's structured NodeId, built before the name's suffix); xdist deals tests by
+        # node id and ran none of the duplicates (the OpenAPI fuzz silently shrank to its two plain tests), so
+        # each gets its name back in its id
+        if item.nodeid.rsplit("::", 1)[-1] != item.name:
+            item._id = type(item._id).parse(f"{item.nodeid.rsplit('::', 1)[0]}::{item.name}")
 
     def rank(item) -> int:
         path = os.path.relpath(str(item.path), tests_dir)

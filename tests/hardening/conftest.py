@@ -17,11 +17,13 @@ STEP_TIME = 0.02
 BODY_TIMEOUT = 3.0
 
 
+def server_args(allowed_lora_dir, step_time: float = STEP_TIME) -> tuple[str, ...]:
+    return ("--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "128", "--body-timeout", str(BODY_TIMEOUT),
+            "--min-step-time", str(step_time), "--enable-lora", "--enable-lora-runtime-updates",
+            "--lora-allowed-dirs", str(allowed_lora_dir))
+
+
 @pytest.fixture(scope="package")
 def server(tmp_path_factory):
-    allowed = tmp_path_factory.mktemp("lora-allowed")
-    with LiveServer("--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "128",
-                    "--body-timeout", str(BODY_TIMEOUT),
-                    "--min-step-time", str(STEP_TIME), "--enable-lora", "--enable-lora-runtime-updates",
-                    "--lora-allowed-dirs", str(allowed)) as live:
+    with LiveServer(*server_args(tmp_path_factory.mktemp("lora-allowed"))) as live:
         yield live

@@ -8,8 +8,8 @@ built at collection from that generator rather than fetched through a fixture: s
 fixture mode reads a private pytest attribute that pytest 9.2 removed. The property, for
 every generated request (valid and invalid bodies, path parameters): never a 5xx, an error is
 OpenAI's shape (Anthropic's on /v1/messages), and afterwards the server is alive and idle (every KV block free). The
-WebSocket's messages are fuzzed by test_fuzz.py. Bounded time: 12 examples per route (17 routes:
-253 s with 20 on a 2-core host at load 15, hence 12).
+WebSocket's messages are fuzzed by test_fuzz.py. Bounded time: 12 generated examples per route (17 routes:
+253 s with 20 on a 2-core host at load 15, hence 12), besides schemathesis' boundary cases.
 """
 
 from __future__ import annotations
@@ -35,6 +35,19 @@ def _app():
     register_state(app, None)  # type: ignore[arg-type]
     register_ui(app)
     return app
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The package's server without its 20 ms step floor, which only the tests acting beside a stream need: the
+    fuzz reads each answer's status, and schemathesis' boundary cases make ~450 valid requests on a route such as
+    /v1/responses (96 s at that floor)."""
+    from live_server import LiveServer
+
+    from hardening.conftest import server_args
+
+    with LiveServer(*server_args(tmp_path_factory.mktemp("lora-allowed"), step_time=0)) as live:
+        yield live
 
 
 schema = schemathesis.openapi.from_dict(openapi_document(app_routes(_app()), REQUEST_BODIES))
