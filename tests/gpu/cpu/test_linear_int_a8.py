@@ -84,6 +84,23 @@ def test_bf16_activations_give_a_bf16_result(ops, bits):
     assert torch.allclose(out.float(), reference, atol=0.1, rtol=0.02)
 
 
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 20), n=st.integers(1, 70), half_k=st.integers(1, 200), bits=st.sampled_from([8, 4]),
+       with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_bf16_rows_give_the_float_rows_result_rounded_to_bf16(ops, m, n, half_k, bits, with_bias, seed):
+    """A bf16 model's rows are read and its output rounded inside the kernel (no float copies): bit for bit what
+    widening the rows, running them in float32 and rounding the result (torch's round to nearest even) gives,
+    whole column blocks and a partial last one alike."""
+    k = 2 * half_k
+    generator = torch.Generator().manual_seed(seed)
+    packed = PackedInt(quantize(torch.randn(n, k, generator=generator), Scheme(bits, 32, activation_bits=8)), ops)
+    x = (torch.randn(m, k, generator=generator) * 3).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16() if with_bias else None
+    out = packed.linear(x, bias)
+    expected = packed.linear(x.float(), None if bias is None else bias.float()).bfloat16()
+    assert out.dtype == torch.bfloat16 and torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+
 def test_zero_rows_give_zero_not_nan(ops):
     weight = PackedInt(quantize(torch.randn(16, 64), Scheme(4, 32, activation_bits=8)), ops)
     out = weight.linear(torch.zeros(3, 64), None)

@@ -311,18 +311,16 @@ class DecoderStack : public torch::CustomClassHolder {
       T* y = buffer<T>(out.buffer, rows * w.n);
       if constexpr (std::is_same_v<T, float>) {
         run_int_linear(x, rows, k, w, y);
+      } else if (w.a8.has_value()) {
+        // bf16 activations (an AVX512-BF16 host's default): the int8-activation kernel reads the bf16 rows and
+        // rounds its float32 sums to bf16 as linear_int's tensor path does, with no float copies between (at a
+        // 128-token prefill of SmolLM2-135M's Q4_1 file the copies took ~9 of ~66 ms; a decode step 0.2 of 3.0)
+        linear_int_a8_into(x, rows, *w.a8, y);
       } else {
-        // bf16 activations (an AVX512-BF16 host's default): the kernels' float32 sums, rounded here as
-        // linear_int's tensor path rounds them, without its tensors and conversion ops (at one row of the tiny
-        // model, ~50 of ~190 us). The int8-activation kernel takes float rows: x is widened for it here.
+        // the weight-only kernel's float32 sums, rounded here, without its tensors and conversion ops (at one
+        // row of the tiny model, ~50 of ~190 us)
         float* y32 = buffer<float>(y32_, rows * w.n);
-        if (w.a8.has_value()) {
-          float* x32 = buffer<float>(x32_, rows * k);
-          for (int64_t i = 0; i < rows * k; ++i) x32[i] = static_cast<float>(x[i]);
-          linear_int_a8_into(x32, rows, *w.a8, y32);
-        } else {
-          linear_int_bf16_into(x, rows, k, *w.weight_only, y32);
-        }
+        linear_int_bf16_into(x, rows, k, *w.weight_only, y32);
         for (int64_t i = 0; i < rows * w.n; ++i) y[i] = static_cast<T>(y32[i]);
       }
       return y;
@@ -358,7 +356,7 @@ class DecoderStack : public torch::CustomClassHolder {
   std::vector<StackLayer> layers_;
   at::Tensor embed_, final_norm_, inv_freq_;
   at::Tensor residual_, zeros_, cos_, sin_, normed_, attended_, activated_;  // buffer(): reused by every forward
-  at::Tensor x32_, y32_;  // a bf16 stack's int linears' float input (int8 activations) and float output
+  at::Tensor y32_;  // a bf16 stack's weight-only int linears' float output
   LinearOut qkv_, o_, gate_up_, down_;
   std::optional<StackLinear> head_;  // the LM head on int weights (use_int_lm_head), or none
   int64_t lora_slots_ = 0;               // slots of every linear's LoRA weights (use_lora), 0: none

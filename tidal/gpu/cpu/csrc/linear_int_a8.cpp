@@ -27,6 +27,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 
 #include "claims.h"
 #include "isa.h"
@@ -60,8 +61,9 @@ struct Problem {
   const float* scales;
   const float* offsets;  // or null
   const float* bias;     // [N] or null
-  float* out;            // [M, N]
+  float* out;            // [M, N], or null when out_bf16 takes the output
   int64_t m, n, k, bits, group_size, groups;  // k: K padded to a multiple of 32
+  c10::BFloat16* out_bf16 = nullptr;  // [M, N] rounded to bf16 as each tile stores it (a bf16 model's rows)
 };
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -81,25 +83,43 @@ TIDAL_TARGET inline int horizontal_sum(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// One row of x [K] to int8 blocks of 32 (round half to even; a last partial block is padded with zeros), their
-// scales, their integer sums and the per-group sums of x'. qx, sx and qsum have room for K rounded up to 32.
-TIDAL_TARGET void quantize_row(const float* x, int64_t k, int64_t group_size, int8_t* qx, float* sx, int32_t* qsum,
+TIDAL_TARGET inline __m256 load8_float(const float* p) { return _mm256_loadu_ps(p); }
+// eight bf16 widened exactly: a bf16 is the top half of a float32
+TIDAL_TARGET inline __m256 load8_float(const c10::BFloat16* p) {
+  const __m256i halves = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(halves, 16));
+}
+
+// Eight floats rounded to bf16 as c10::BFloat16(float) rounds them (to nearest even; NaN to 0x7FC0), stored.
+TIDAL_TARGET inline void store8_bf16(c10::BFloat16* out, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  top = _mm256_blendv_epi8(top, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // the pack works per 128-bit lane: [0-3, 0-3 | 4-7, 4-7]; the permute puts 0-7 in the low half
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(top, top), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+
+// One row of x [K] (float32 or bf16) to int8 blocks of 32 (round half to even; a last partial block is padded with
+// zeros), their scales, their integer sums and the per-group sums of x'. qx, sx and qsum have room for K rounded up
+// to 32.
+template <typename T>
+TIDAL_TARGET void quantize_row(const T* x, int64_t k, int64_t group_size, int8_t* qx, float* sx, int32_t* qsum,
                                float* sumx) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b * kXBlock < k; ++b) {
-    const float* p = x + b * kXBlock;
-    alignas(32) float tail[kXBlock];
-    if ((b + 1) * kXBlock > k) {
-      std::fill(std::copy(p, x + k, tail), tail + kXBlock, 0.0f);
-      p = tail;
-    }
     __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_loadu_ps(p + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+    if ((b + 1) * kXBlock > k) {
+      alignas(32) float tail[kXBlock] = {};
+      for (int64_t i = b * kXBlock; i < k; ++i) tail[i - b * kXBlock] = static_cast<float>(x[i]);
+      for (int j = 0; j < 4; ++j) v[j] = _mm256_load_ps(tail + 8 * j);
+    } else {
+      for (int j = 0; j < 4; ++j) v[j] = load8_float(x + b * kXBlock + 8 * j);
     }
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
     const float top = horizontal_max(amax);
     const float scale = top / 127.0f;
     const __m256 inverse = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
@@ -212,7 +232,11 @@ A8Linear a8_linear(const at::Tensor& packed, const at::Tensor& scales, const std
                   n, k, padded_k, bits, group_size, groups};
 }
 
-void linear_int_a8_into(const float* x, int64_t m, const A8Linear& w, float* out) {
+namespace {
+
+// x [M, K] float32 or bf16; the output float32 into `out` or, with out_bf16, rounded to bf16 as it is stored
+template <typename T>
+void run_a8(const T* x, int64_t m, const A8Linear& w, float* out, c10::BFloat16* out_bf16) {
 #if defined(__x86_64__) || defined(__i386__)
   if (m <= 0 || w.n <= 0) return;
   // x rounded to int8 blocks: per-thread buffers reused across calls, since at batch 1 three allocations
@@ -231,7 +255,7 @@ void linear_int_a8_into(const float* x, int64_t m, const A8Linear& w, float* out
   const Problem p{qx.data(), sx.data(), qsum.data(), sumx.data(), static_cast<const uint8_t*>(w.packed.data_ptr()),
                   w.scales.data_ptr<float>(), w.offsets.defined() ? w.offsets.data_ptr<float>() : nullptr,
                   w.bias.defined() ? w.bias.data_ptr<float>() : nullptr, out,
-                  m, w.n, w.padded_k, w.bits, w.group_size, w.groups};
+                  m, w.n, w.padded_k, w.bits, w.group_size, w.groups, out_bf16};
   // chunks of whole 4-block tiles; every thread joins once the work is worth a second thread
   const int64_t blocks = (w.n + kCols - 1) / kCols;
   const int64_t threads = linear_threads(m * w.n * w.padded_k);
@@ -248,6 +272,14 @@ void linear_int_a8_into(const float* x, int64_t m, const A8Linear& w, float* out
 #endif
 }
 
+}  // namespace
+
+void linear_int_a8_into(const float* x, int64_t m, const A8Linear& w, float* out) { run_a8(x, m, w, out, nullptr); }
+
+void linear_int_a8_into(const c10::BFloat16* x, int64_t m, const A8Linear& w, c10::BFloat16* out) {
+  run_a8(x, m, w, nullptr, out);
+}
+
 at::Tensor linear_int_a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                          const std::optional<at::Tensor>& offsets, int64_t n, int64_t bits, int64_t group_size,
                          const std::optional<at::Tensor>& bias) {
@@ -255,15 +287,16 @@ at::Tensor linear_int_a8(const at::Tensor& x, const at::Tensor& packed, const at
               "x must be a float32 or bf16 CPU tensor");
   const int64_t k = x.size(-1);
   const A8Linear w = a8_linear(packed, scales, offsets, n, k, bits, group_size, bias);
-  at::Tensor rows = x.reshape({-1, k});
-  if (rows.scalar_type() != at::kFloat || !rows.is_contiguous()) rows = rows.to(at::kFloat).contiguous();
+  at::Tensor rows = x.reshape({-1, k}).contiguous();  // float32 or bf16 rows, read as they are
   const int64_t m = rows.size(0);
   at::Tensor out = at::empty({m, n}, rows.options());
-  linear_int_a8_into(rows.data_ptr<float>(), m, w, out.data_ptr<float>());
+  if (rows.scalar_type() == at::kFloat)
+    linear_int_a8_into(rows.data_ptr<float>(), m, w, out.data_ptr<float>());
+  else
+    linear_int_a8_into(rows.data_ptr<c10::BFloat16>(), m, w, out.data_ptr<c10::BFloat16>());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  out = out.view(shape);
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return out.view(shape);
 }
 
 }  // namespace tidal_cpu

@@ -97,7 +97,10 @@ TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, 
     const int64_t col = (block + c) * kCols, valid = std::min<int64_t>(kCols, p.n - col);
     if (valid == kCols) {  // a whole block: one vector store per row, not a copy through the stack
       const __m256 bias = p.bias != nullptr ? _mm256_loadu_ps(p.bias + col) : _mm256_setzero_ps();
-      for (int r = 0; r < R; ++r) _mm256_storeu_ps(p.out + (row + r) * p.n + col, _mm256_add_ps(y[c][r], bias));
+      for (int r = 0; r < R; ++r) {
+        if (p.out_bf16 != nullptr) store8_bf16(p.out_bf16 + (row + r) * p.n + col, _mm256_add_ps(y[c][r], bias));
+        else _mm256_storeu_ps(p.out + (row + r) * p.n + col, _mm256_add_ps(y[c][r], bias));
+      }
       continue;
     }
     alignas(32) float bias[kCols] = {};
@@ -105,7 +108,8 @@ TIDAL_TARGET __attribute__((noinline)) void tile(const Problem& p, int64_t row, 
     for (int r = 0; r < R; ++r) {
       alignas(32) float result[kCols];
       _mm256_store_ps(result, _mm256_add_ps(y[c][r], _mm256_load_ps(bias)));
-      std::copy(result, result + valid, p.out + (row + r) * p.n + col);
+      if (p.out_bf16 != nullptr) std::copy(result, result + valid, p.out_bf16 + (row + r) * p.n + col);
+      else std::copy(result, result + valid, p.out + (row + r) * p.n + col);
     }
   }
 }

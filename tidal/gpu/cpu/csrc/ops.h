@@ -65,6 +65,9 @@ struct A8Linear {
 A8Linear a8_linear(const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
                    int64_t n, int64_t k, int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias);
 void linear_int_a8_into(const float* x, int64_t m, const A8Linear& w, float* out);
+// The same on bf16 rows (an AVX512-BF16 host's stack): x widened and the sums rounded as each tile loads and stores
+// them, no float copies of the rows.
+void linear_int_a8_into(const c10::BFloat16* x, int64_t m, const A8Linear& w, c10::BFloat16* out);
 std::string linear_int_a8_isa();  // the dot products it runs on this CPU: "avx512_vnni", "avx2", or "" (none)
 
 // lora.cpp: each row's own LoRA product added to a linear's output. One fused linear's slots, checked once (A
