@@ -60,6 +60,17 @@ def prompts(smollm2_dir):
 
 
 @pytest.fixture(scope="module", autouse=True)
+def name_map_built_once():
+    """transformers' GGUF loader asks gguf for its tensor-name map once per module of the model (397 times, ~5 s
+    of each reference's load); the map depends only on the architecture and the block count."""
+    import functools
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
 def room_for_64_tokens():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(paged_batch, "MAX_BLOCKS_PER_SEQ", 64)
