@@ -44,18 +44,42 @@ def pytest_sessionstart(session):
         if required:
             raise
         return
-    if kernels.load_cpu_ops() is None and required:
-        import pytest
+    if kernels.load_cpu_ops() is None:
+        if required:
+            pytest.exit(f"TIDAL_REQUIRE_KERNELS=1 but the CPU kernels did not build:\n{kernels.load_failure()}",
+                        returncode=1)
+        return
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # once per run, in the process that deals the tests
+        _start_avx2_build()
 
-        pytest.exit(f"TIDAL_REQUIRE_KERNELS=1 but the CPU kernels did not build:\n{kernels.load_failure()}",
-                    returncode=1)
+
+_background_builds: list = []
 
 
-# The longest files (minutes each, measured), handed to the workers first: files are dealt in collection order,
-# and a long one dealt last would leave one worker busy while the other idles.
-RUN_FIRST = ("gpu/parallel/test_tensor_parallel.py", "smollm2/test_smollm2_parity.py", "ui/test_ui_browser.py",
-             "engines/test_liveness.py", "gpu/cpu/test_lora_cpu.py", "test_cli.py", "hardening/test_openapi_fuzz.py",
-             "smollm2/test_smollm2_draft_model.py", "engines/test_data_parallel.py", "api/test_api_quantized.py")
+def _start_avx2_build() -> None:
+    """Start compiling the TIDAL_CPU_ISA=avx2 library now, in the background: the tests that run as an AVX2-only
+    CPU load it (tests/gpu/cpu/test_*: ~30-50 s of compiling on two cores), and the build lock makes them wait for
+    this build instead of compiling it again. Begun here it overlaps the suite's waiting instead of stalling a test."""
+    import subprocess
+
+    _background_builds.append(subprocess.Popen(
+        [sys.executable, "-m", "tidal", "build-kernels"], env={**os.environ, "TIDAL_CPU_ISA": "avx2"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for build in _background_builds:  # nothing outlives the run (a failed build is each avx2 test's own failure)
+        if build.poll() is None:
+            build.terminate()
+        build.wait()
+
+
+# The longest files (20 s to 2 minutes each, measured), handed to the workers first: files are dealt in collection
+# order, and a long one dealt last would leave one worker busy while the other idles. The AVX2 kernel tests stay
+# in their place, by when the background build (_start_avx2_build) is done.
+RUN_FIRST = ("smollm2/test_smollm2_parity.py", "ui/test_ui_browser.py", "gpu/parallel/test_tensor_parallel.py",
+             "engines/test_liveness.py", "smollm2/test_readme_real_model.py", "engines/test_data_parallel.py",
+             "api/test_api_quantized.py", "api/test_api_first_constraint.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
