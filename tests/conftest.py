@@ -78,7 +78,8 @@ def pytest_sessionfinish(session, exitstatus):
 # order, and a long one dealt last would leave one worker busy while the other idles. The AVX2 kernel tests stay
 # in their place, by when the background build (_start_avx2_build) is done.
 RUN_FIRST = ("smollm2/test_smollm2_parity.py", "ui/test_ui_browser.py", "gpu/parallel/test_tensor_parallel.py",
-             "engines/test_liveness.py", "smollm2/test_readme_real_model.py", "engines/test_data_parallel.py",
+             "smollm2/test_smollm2_speculative.py", "engines/test_liveness.py", "smollm2/test_readme_real_model.py",
+             "smollm2/test_smollm2_draft_model.py", "smollm2/test_smollm2_served.py", "engines/test_data_parallel.py",
              "api/test_api_quantized.py", "api/test_api_first_constraint.py")
 
 
